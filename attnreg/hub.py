@@ -1,0 +1,478 @@
+"""The attention hub: the one place that touches transformers' attention dispatch.
+
+`attach(model)` registers an "attnreg" attention implementation (and its mask function) with
+transformers, switches the model to it and returns an `AttentionHub`. Layers nobody asked about run
+through transformers' own SDPA function unchanged; only captured layers materialize probabilities.
+
+Example:
+    >>> import torch, attnreg
+    >>> from transformers import BertConfig, BertModel
+    >>> model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                              intermediate_size=64))
+    >>> hub = attnreg.attach(model)
+    >>> with hub.capture(layers=[1]) as probs:
+    ...     _ = model(input_ids=torch.tensor([[1, 2, 3]]))
+    >>> probs[1].shape
+    torch.Size([1, 4, 3, 3])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from attnreg.families import Family, detect_family, scale_input_columns, scale_output_rows
+
+IMPLEMENTATION = "attnreg"
+GATE = "attnreg_gate"
+TEMPERATURE = "attnreg_temperature"
+_HUB_ATTR = "_attnreg_hub"
+_STATE_ATTR = "_attnreg_state"
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Head layout of one attention layer, read from the current weight shapes."""
+
+    index: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class _LayerState:
+    """Per-layer settings, kept on the attention module so they follow `copy.deepcopy`.
+
+    `pending_recomputes` counts captured forwards of a gradient-checkpointed block whose backward has
+    not yet replayed them: the replay must take the same (materialized) path, or torch's checkpoint
+    finds different saved tensors.
+    """
+
+    index: int
+    block: nn.Module
+    dropout: float | None = None
+    records: list[AttentionRecord] = field(default_factory=list)
+    pending_recomputes: int = 0
+
+    def replaying_capture(self) -> bool:
+        return self.pending_recomputes > 0 and torch._C._current_graph_task_id() != -1
+
+    def will_be_replayed(self) -> bool:
+        return bool(getattr(self.block, "gradient_checkpointing", False)) and self.block.training
+
+
+class AttentionRecord(Mapping[int, torch.Tensor]):
+    """Attention probabilities `[B, H, T, S]` recorded by `AttentionHub.capture`, keyed by layer.
+
+    `record[layer]` is the latest forward pass; `record.calls(layer)` lists every pass in the block
+    (generation makes one per token).
+    """
+
+    def __init__(self, layers: tuple[int, ...], require_grad: bool = False) -> None:
+        self.layers = layers
+        self.require_grad = require_grad
+        self._calls: dict[int, list[torch.Tensor]] = {}
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self._calls:
+            raise KeyError(
+                f"no attention recorded for layer {layer}; captured layers: {list(self.layers)}, "
+                f"with a forward pass so far: {sorted(self._calls)}"
+            )
+        return self._calls[layer][-1]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._calls))
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def calls(self, layer: int) -> list[torch.Tensor]:
+        return list(self._calls.get(layer, []))
+
+    def _add(self, state: _LayerState, probs: torch.Tensor) -> None:
+        if not probs.requires_grad:
+            reentrant = state.will_be_replayed() and not torch.is_grad_enabled()
+            if reentrant or self.require_grad:
+                raise RuntimeError(
+                    f"attention of layer {state.index} was computed without autograd, so a loss on it would do "
+                    "nothing. "
+                    + (
+                        "The model uses gradient checkpointing with use_reentrant=True, whose first forward runs "
+                        "under no_grad: enable it with gradient_checkpointing_kwargs={'use_reentrant': False}."
+                        if reentrant
+                        else "The forward pass ran under torch.no_grad() (or the model's weights are frozen)."
+                    )
+                )
+        self._calls.setdefault(state.index, []).append(probs)
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registered "attnreg" attention function (see transformers' AttentionInterface)."""
+    if kwargs.get("head_mask") is not None:
+        raise ValueError(_HEAD_MASK_MESSAGE)
+    state: _LayerState | None = getattr(module, _STATE_ATTR, None)
+    if state is None:  # an attention module the hub does not track (cross-attention, say)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if module.training and state.dropout is not None:
+        dropout = state.dropout
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    temperature = getattr(module, TEMPERATURE, None)
+    replay = state.replaying_capture()
+    if not state.records and not replay:
+        if temperature is not None:
+            query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+    probs = attention_probabilities(query, key, attention_mask, scaling, temperature, causal)
+    if replay:
+        state.pending_recomputes -= 1
+    else:
+        for record in state.records:
+            record._add(state, probs)
+        if torch.is_grad_enabled() and state.will_be_replayed():
+            state.pending_recomputes += 1
+    weights = F.dropout(probs, p=dropout, training=True) if dropout > 0 else probs
+    output = torch.matmul(weights, repeat_kv(value, query.shape[1] // value.shape[1]))
+    return output.transpose(1, 2).contiguous(), probs
+
+
+def attention_probabilities(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    temperature: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Softmax attention `[B, H, T, S]` as eager attention computes it, before dropout.
+
+    `attention_mask` is transformers' SDPA mask: boolean (True = attend), additive float, or None,
+    in which case a causal module with more than one query attends to keys at or before its position.
+    """
+    key = repeat_kv(key, query.shape[1] // key.shape[1])
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if temperature is not None:
+        scores = scores / temperature.to(scores.dtype).reshape(-1, 1, 1)
+    if attention_mask is None and causal and query.shape[2] > 1:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+
+
+class AttentionHub:
+    """Per-model access to what each attention head does; created by `attnreg.attach`.
+
+    Example:
+        >>> hub = attnreg.attach(model)
+        >>> hub.gate(0)                    # a trainable per-head gate, initialised to 1
+        >>> hub.set_temperature(2.0, layers=[0])
+        >>> hub.set_attention_dropout(0.1)
+    """
+
+    def __init__(self, model: nn.Module, family: Family, previous_implementation: str) -> None:
+        self.model = model
+        self.family = family
+        self.previous_implementation = previous_implementation
+
+    # -- layout -------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.family.blocks(self.model))
+
+    @property
+    def layers(self) -> list[LayerInfo]:
+        """Head layout per layer, from the current shapes (so it stays right after pruning)."""
+        infos = []
+        for index in range(self.num_layers):
+            attention = self.attention(index)
+            num_heads, num_kv_heads = self.family.head_counts(attention)
+            infos.append(LayerInfo(index, num_heads, num_kv_heads, self.family.head_dim(attention)))
+        return infos
+
+    def attention(self, layer: int) -> nn.Module:
+        """The attention module of `layer` (the one transformers passes to attention functions)."""
+        return self.family.attention_module(self.model, self.check_layer(layer))
+
+    def check_layer(self, layer: int, argument: str = "layer") -> int:
+        """Return `layer` if it indexes an attention layer, else raise an error naming `argument`."""
+        count = self.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < count:
+            raise IndexError(
+                f"{argument}={layer!r} is out of range: {type(self.model).__name__} has {count} attention "
+                f"layers (0 to {count - 1})"
+            )
+        return layer
+
+    def resolve_layers(self, layers: int | Iterable[int] | None, argument: str = "layers") -> tuple[int, ...]:
+        """All layers for None, else the given layers, each checked."""
+        if layers is None:
+            return tuple(range(self.num_layers))
+        if isinstance(layers, int):
+            layers = [layers]
+        return tuple(sorted({self.check_layer(layer, argument) for layer in layers}))
+
+    # -- capture ------------------------------------------------------------------------------
+    @contextmanager
+    def capture(
+        self, layers: int | Iterable[int] | None = None, require_grad: bool = False
+    ) -> Iterator[AttentionRecord]:
+        """Record attention probabilities of `layers` (all for None) during the block's forward passes.
+
+        The probabilities keep their autograd graph, so a loss can be built on them. With
+        `require_grad=True` a forward without autograd raises; by default only the silent case does
+        (reentrant gradient checkpointing, whose first forward runs under no_grad).
+        """
+        self._check_active()
+        chosen = self.resolve_layers(layers)
+        record = AttentionRecord(chosen, require_grad)
+        states = [self._state(layer) for layer in chosen]
+        for state in states:
+            state.records.append(record)
+        try:
+            yield record
+        finally:
+            for state in states:
+                state.records.remove(record)
+
+    # -- gates --------------------------------------------------------------------------------
+    def gate(self, layer: int) -> nn.Parameter:
+        """The trainable per-head gate `[num_heads]` of `layer`, created at 1 on first use.
+
+        It scales each head's context before the output projection (a forward pre-hook there, so it
+        works with or without capture) and is saved in the model's state_dict.
+        """
+        attention = self.attention(layer)
+        existing = getattr(attention, GATE, None)
+        if existing is not None:
+            return existing
+        num_heads, _ = self.family.head_counts(attention)
+        weight = self.family.out_projection(self.model, layer).weight
+        gate = nn.Parameter(torch.ones(num_heads, dtype=weight.dtype, device=weight.device))
+        self._install_gate(layer, gate)
+        return gate
+
+    @property
+    def gates(self) -> dict[int, nn.Parameter]:
+        """The gates created so far, by layer."""
+        found = {}
+        for layer in range(self.num_layers):
+            gate = getattr(self.attention(layer), GATE, None)
+            if gate is not None:
+                found[layer] = gate
+        return found
+
+    def _install_gate(self, layer: int, gate: nn.Parameter) -> None:
+        attention = self.attention(layer)
+        attention.register_parameter(GATE, gate)
+        projection = self.family.out_projection(self.model, layer)
+        projection.register_forward_pre_hook(_GateHook(attention))
+
+    # -- temperature and dropout ------------------------------------------------------------------
+    def set_temperature(self, value: float | torch.Tensor | None, layers: int | Iterable[int] | None = None) -> None:
+        """Divide attention logits by `value` (a scalar, or one per head) before the softmax.
+
+        Applies in training, inference and generation; `None` removes it. Saved in the state_dict.
+        """
+        for layer in self.resolve_layers(layers):
+            attention = self.attention(layer)
+            if value is None:
+                if hasattr(attention, TEMPERATURE):
+                    delattr(attention, TEMPERATURE)
+                continue
+            num_heads, _ = self.family.head_counts(attention)
+            temperature = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+            if temperature.numel() not in (1, num_heads) or temperature.dim() > 1:
+                raise ValueError(
+                    f"temperature must be a scalar or have one value per head ({num_heads} in layer {layer}), "
+                    f"got shape {tuple(temperature.shape)}"
+                )
+            if not torch.all(temperature > 0):
+                raise ValueError(f"temperature must be > 0, got {temperature.tolist()}")
+            weight = self.family.out_projection(self.model, layer).weight
+            temperature = temperature.reshape(-1).expand(num_heads).clone().to(weight.device)
+            if hasattr(attention, TEMPERATURE):
+                delattr(attention, TEMPERATURE)
+            attention.register_buffer(TEMPERATURE, temperature)
+
+    def temperature(self, layer: int) -> torch.Tensor | None:
+        return getattr(self.attention(layer), TEMPERATURE, None)
+
+    def set_attention_dropout(self, p: float | None, layers: int | Iterable[int] | None = None) -> None:
+        """Use attention dropout `p` in training (read at every forward); `None` restores the model's own."""
+        if p is not None and not 0.0 <= p < 1.0:
+            raise ValueError(f"attention dropout p must be in [0, 1), got {p}")
+        for layer in self.resolve_layers(layers):
+            self._state(layer).dropout = None if p is None else float(p)
+
+    def attention_dropout(self, layer: int) -> float:
+        """The attention dropout `layer` uses in training."""
+        state = self._state(layer)
+        if state.dropout is not None:
+            return state.dropout
+        return self.family.attention_dropout(self.attention(layer))
+
+    # -- internals ------------------------------------------------------------------------------
+    def _state(self, layer: int) -> _LayerState:
+        return getattr(self.attention(layer), _STATE_ATTR)
+
+    def _check_active(self) -> None:
+        _check_implementation(self.model)
+
+
+class _GateHook:
+    """Forward pre-hook on an output projection: scales each head's slice of its input by the gate."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        self.attention = attention
+
+    def __call__(self, projection: nn.Module, args: tuple) -> tuple | None:
+        gate = getattr(self.attention, GATE, None)
+        if gate is None:
+            return None
+        context = args[0]
+        heads = context.view(*context.shape[:-1], gate.shape[0], -1) * gate.to(context.dtype)[:, None]
+        return (heads.view(context.shape), *args[1:])
+
+
+_HEAD_MASK_MESSAGE = (
+    "head_mask= was passed to a model under attnreg. transformers v5 no longer supports head masks and "
+    "silently ignores them; use hub.gate(layer) (set a head's gate to 0 to mask it) or attnreg.pruning."
+)
+
+
+def _check_implementation(model: nn.Module) -> None:
+    current = model.config._attn_implementation
+    if current != IMPLEMENTATION:
+        raise RuntimeError(
+            f"attnreg is attached to {type(model).__name__}, but its attention implementation was changed to "
+            f"{current!r} after attnreg.attach, so capture, temperature and dropout settings would be ignored. "
+            f"Call model.set_attn_implementation({IMPLEMENTATION!r}) again, or attnreg.detach(model) first."
+        )
+
+
+def _model_forward_guard(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    if kwargs.get("head_mask") is not None:
+        raise ValueError(_HEAD_MASK_MESSAGE)
+    _check_implementation(model)
+
+
+def _load_state_dict_pre_hook(model: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Create gates and temperatures present in a state_dict being loaded, so it loads strictly."""
+    hub: AttentionHub | None = getattr(model, _HUB_ATTR, None)
+    if hub is None:
+        return
+    for layer in range(hub.num_layers):
+        path = prefix + hub.family.module_path(model, layer, hub.family.attention)
+        gate = state_dict.get(f"{path}.{GATE}")
+        if gate is not None and hub.gates.get(layer) is None:
+            weight = hub.family.out_projection(model, layer).weight
+            hub._install_gate(layer, nn.Parameter(torch.ones(gate.shape, dtype=weight.dtype, device=weight.device)))
+        temperature = state_dict.get(f"{path}.{TEMPERATURE}")
+        if temperature is not None:
+            hub.set_temperature(torch.ones(temperature.shape), layers=[layer])
+
+
+def _register_implementation() -> None:
+    AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+
+
+def attach(model: nn.Module) -> AttentionHub:
+    """Switch a transformers model to the "attnreg" attention implementation and return its hub.
+
+    Calling it again on the same model returns the same hub. Raises `UnsupportedModelError` for a
+    model outside the family table.
+    """
+    existing: AttentionHub | None = getattr(model, _HUB_ATTR, None)
+    if existing is not None:
+        if model.config._attn_implementation != IMPLEMENTATION:
+            model.set_attn_implementation(IMPLEMENTATION)
+        return existing
+    family = detect_family(model)
+    _register_implementation()
+    previous = model.config._attn_implementation
+    hub = AttentionHub(model, family, previous)
+    for layer in range(hub.num_layers):
+        block = family.blocks(model)[layer]
+        setattr(family.attention_module(model, layer), _STATE_ATTR, _LayerState(index=layer, block=block))
+    model.set_attn_implementation(IMPLEMENTATION)
+    # A plain attribute, not a submodule: it is not in the state_dict and follows copy.deepcopy.
+    object.__setattr__(model, _HUB_ATTR, hub)
+    model.register_forward_pre_hook(_model_forward_guard, with_kwargs=True)
+    model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    return hub
+
+
+def hub_of(model: nn.Module) -> AttentionHub:
+    """The hub of a model already attached; raises if `attnreg.attach(model)` was never called."""
+    hub = getattr(model, _HUB_ATTR, None)
+    if hub is None:
+        raise RuntimeError(f"{type(model).__name__} is not attached: call attnreg.attach(model) first")
+    return hub
+
+
+def detach(model: nn.Module) -> None:
+    """Undo `attach`: fold gates into the output projections and temperatures into the query
+    projections (so outputs do not change), remove every hook, and restore the previous implementation.
+    """
+    hub = hub_of(model)
+    family = hub.family
+    for layer in range(hub.num_layers):
+        attention = hub.attention(layer)
+        head_dim = family.head_dim(attention)
+        gate = getattr(attention, GATE, None)
+        if gate is not None:
+            projection = family.out_projection(model, layer)
+            scale_input_columns(projection, gate.detach().repeat_interleave(head_dim))
+            _remove_hooks(projection._forward_pre_hooks, lambda hook: isinstance(hook, _GateHook))
+            delattr(attention, GATE)
+        temperature = getattr(attention, TEMPERATURE, None)
+        if temperature is not None:
+            query = attention.get_submodule(family.query or family.fused_qkv)
+            scale_output_rows(query, (1.0 / temperature).repeat_interleave(head_dim))
+            delattr(attention, TEMPERATURE)
+        delattr(attention, _STATE_ATTR)
+    _remove_hooks(
+        model._forward_pre_hooks, lambda hook: hook is _model_forward_guard, model._forward_pre_hooks_with_kwargs
+    )
+    _remove_hooks(model._load_state_dict_pre_hooks, lambda hook: hook.hook is _load_state_dict_pre_hook)
+    object.__delattr__(model, _HUB_ATTR)
+    model.set_attn_implementation(hub.previous_implementation)
+
+
+def _remove_hooks(hooks: dict, is_ours, flags: dict | None = None) -> None:
+    """Remove hooks by identity (handles would point at the original model after a deepcopy)."""
+    for key in [key for key, hook in hooks.items() if is_ours(hook)]:
+        del hooks[key]
+        if flags is not None:
+            flags.pop(key, None)

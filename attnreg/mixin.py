@@ -1,0 +1,177 @@
+"""`AttnRegMixin`: lets callbacks add loss terms to a LightningModule's training step.
+
+A Lightning callback cannot change the loss (Lightning ignores what `on_before_backward` returns), so
+the terms are added here: the mixin wraps the subclass's `training_step`, opens one attention capture
+for all the layers the registered terms need, runs the user's step, and adds every term to what it
+returns (a tensor, or a dict with "loss"). Each term is logged as `attnreg/<name>`.
+
+Example:
+    >>> class Classifier(attnreg.AttnRegMixin, lightning.LightningModule):
+    ...     def __init__(self, model):
+    ...         super().__init__()
+    ...         self.model = model
+    ...     def training_step(self, batch, batch_idx):
+    ...         return self.model(**batch).loss          # no attnreg code needed here
+    >>> module = Classifier(model)
+    >>> module.add_attnreg_term("sharpen", lambda probs, batch: probs[0].var(), layers=[0])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from attnreg.hub import AttentionHub, AttentionRecord, attach
+
+TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionTerm:
+    """A loss term: `fn(probs, batch)` returns a scalar; `layers` are captured for it (None = all)."""
+
+    name: str
+    fn: TermFunction
+    layers: tuple[int, ...] | None
+
+
+class AttnRegMixin:
+    """Mixin for a `lightning.LightningModule` that wraps a transformers model.
+
+    The model is found among the module's submodules (set `attnreg_model_attr` to the attribute
+    name where there is more than one) and attached on first use of `attnreg_hub`.
+    """
+
+    attnreg_model_attr: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("training_step")
+        if step is not None and not getattr(step, "_attnreg_wrapped", False):
+            cls.training_step = _add_terms_to(step)
+
+    # -- the model and its hub ----------------------------------------------------------------
+    @property
+    def attnreg_model(self) -> PreTrainedModel:
+        if self.attnreg_model_attr is not None:
+            return getattr(self, self.attnreg_model_attr)
+        found = [m for m in self.modules() if isinstance(m, PreTrainedModel)]
+        outermost = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
+        if len(outermost) != 1:
+            names = [type(m).__name__ for m in outermost] or "none"
+            raise RuntimeError(
+                f"{type(self).__name__} must hold exactly one transformers model for attnreg, found {names}; "
+                "set `attnreg_model_attr` to the attribute that holds the one to regularize"
+            )
+        return outermost[0]
+
+    @property
+    def attnreg_hub(self) -> AttentionHub:
+        """The model's attention hub (attaching the model on first use)."""
+        return attach(self.attnreg_model)
+
+    # -- terms ----------------------------------------------------------------------------------
+    @property
+    def attnreg_terms(self) -> dict[str, AttentionTerm]:
+        return self.__dict__.setdefault("_attnreg_terms", {})
+
+    def add_attnreg_term(self, name: str, fn: TermFunction, layers: int | Iterable[int] | None = ()) -> None:
+        """Add `fn(probs, batch)` to every training loss, logged as `attnreg/<name>`.
+
+        `layers` are the attention layers `fn` reads from `probs` (None = all, () = none).
+        """
+        if name in self.attnreg_terms:
+            raise ValueError(f"an attnreg term named {name!r} is already registered on {type(self).__name__}")
+        chosen = None if layers is None else self.attnreg_hub.resolve_layers(layers)
+        self.attnreg_terms[name] = AttentionTerm(name, fn, chosen)
+
+    def remove_attnreg_term(self, name: str) -> None:
+        self.attnreg_terms.pop(name, None)
+
+    def attnreg_loss(self) -> torch.Tensor:
+        """The sum of all registered terms for the current training step, each logged.
+
+        For users who compose the loss by hand inside `training_step`: once called, the terms are
+        not added again to what the step returns.
+        """
+        step = self.__dict__.get("_attnreg_step")
+        if step is None:
+            raise RuntimeError("attnreg_loss() can only be called inside training_step (after the forward pass)")
+        probs, batch = step
+        total = None
+        for term in self.attnreg_terms.values():
+            value = term.fn(probs, batch)
+            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                raise TypeError(f"attnreg term {term.name!r} must return a scalar tensor, got {value!r}")
+            self.log(f"attnreg/{term.name}", value.detach(), sync_dist=_world_size(self) > 1)
+            total = value if total is None else total + value
+        self.__dict__["_attnreg_step"] = None
+        self.__dict__["_attnreg_consumed"] = True
+        return total if total is not None else torch.zeros((), device=self.device)
+
+    def _capture_layers(self) -> tuple[int, ...] | None:
+        layers: set[int] = set()
+        for term in self.attnreg_terms.values():
+            if term.layers is None:
+                return None
+            layers.update(term.layers)
+        return tuple(sorted(layers))
+
+
+def _add_terms_to(training_step: Callable) -> Callable:
+    @functools.wraps(training_step)
+    def wrapped(self: AttnRegMixin, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.attnreg_terms or self.__dict__.get("_attnreg_step") is not None:
+            return training_step(self, batch, *args, **kwargs)  # no terms, or a super() call inside the step
+        hub = self.attnreg_hub
+        layers = self._capture_layers()
+        self.__dict__["_attnreg_consumed"] = False
+        with hub.capture(layers, require_grad=self.training and torch.is_grad_enabled()) as probs:
+            self.__dict__["_attnreg_step"] = (probs, batch)
+            try:
+                output = training_step(self, batch, *args, **kwargs)
+                if output is None or self.__dict__["_attnreg_consumed"]:
+                    return output
+                return _add_loss(output, self.attnreg_loss())
+            finally:
+                self.__dict__["_attnreg_step"] = None
+
+    wrapped._attnreg_wrapped = True
+    return wrapped
+
+
+def _add_loss(output: Any, extra: torch.Tensor) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output + extra
+    if isinstance(output, dict) and "loss" in output:
+        return {**output, "loss": output["loss"] + extra}
+    raise TypeError(
+        f"training_step returned {type(output).__name__}; attnreg can add its terms to a tensor or a dict with "
+        "'loss'. Return one of those, or call self.attnreg_loss() and add it yourself."
+    )
+
+
+def require_mixin(pl_module: Any, user: object) -> AttnRegMixin:
+    """Return `pl_module` if it uses `AttnRegMixin`, else raise an error telling how to add it."""
+    if not isinstance(pl_module, AttnRegMixin):
+        name = type(pl_module).__name__
+        raise TypeError(
+            f"{type(user).__name__} needs the LightningModule to use attnreg.AttnRegMixin; declare it as "
+            f"`class {name}(attnreg.AttnRegMixin, lightning.LightningModule)`"
+        )
+    return pl_module
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _world_size(module: Any) -> int:
+    trainer = getattr(module, "_trainer", None)
+    return trainer.world_size if trainer is not None else 1

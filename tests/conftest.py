@@ -1,0 +1,46 @@
+import copy
+
+import pytest
+import torch
+
+import attnreg
+from attnreg.tiny import tiny_model
+
+FAMILIES = ["bert", "roberta", "electra", "distilbert", "gpt2", "llama", "qwen2", "mistral"]
+DECODERS = {"gpt2", "llama", "qwen2", "mistral"}
+
+
+def padded_batch(batch: int = 3, length: int = 9, vocab: int = 99, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Token ids (avoiding the special ids 0-2) with right padding on all rows but the first."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch):
+        attention_mask[row, length - 2 * row :] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def main_output(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def model_pair(family):
+    """(attached model, untouched SDPA copy with the same weights)."""
+    model = tiny_model(family).eval()
+    reference = copy.deepcopy(model)
+    attnreg.attach(model)
+    return model, reference
+
+
+def eager_copy(model):
+    reference = copy.deepcopy(model)
+    if getattr(reference, "_attnreg_hub", None) is not None:
+        attnreg.detach(reference)
+    reference.set_attn_implementation("eager")
+    return reference
