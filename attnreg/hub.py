@@ -175,17 +175,19 @@ def attention_probabilities(
     in which case a causal module with more than one query attends to keys at or before its position.
     """
     key = repeat_kv(key, query.shape[1] // key.shape[1])
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    # In-place from here to the softmax: none of these ops needs its input for backward, and every
+    # attention-sized allocation costs time at long sequence lengths.
+    scores = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if temperature is not None:
-        scores = scores / temperature.to(scores.dtype).reshape(-1, 1, 1)
+        scores.div_(temperature.to(scores.dtype).reshape(-1, 1, 1))
     if attention_mask is None and causal and query.shape[2] > 1:
         q_len, kv_len = query.shape[2], key.shape[2]
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+            scores.masked_fill_(attention_mask.logical_not(), torch.finfo(scores.dtype).min)
         else:
-            scores = scores + attention_mask
+            scores.add_(attention_mask)
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
 
 

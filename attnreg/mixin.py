@@ -52,7 +52,8 @@ class AttnRegMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        step = cls.__dict__.get("training_step")
+        # Wrap the step the class resolves to, also when it is inherited from a module that predates the mixin.
+        step = getattr(cls, "training_step", None)
         if step is not None and not getattr(step, "_attnreg_wrapped", False):
             cls.training_step = _add_terms_to(step)
 

@@ -1,6 +1,6 @@
 """Train-step overhead of the attention hub against plain SDPA and eager attention.
 
-Full run (from the repository root; about 25-35 minutes on 2 cores):
+Full run (from the repository root; about 20-25 minutes on 2 idle cores, far longer on a busy machine):
 
     .venv/bin/python benchmarks/overhead.py
 
@@ -17,17 +17,23 @@ identical weights are trained side by side:
 - `eager`: the plain model, eager attention (the baseline for capture, which materialises probabilities too);
 - `idle`: `attnreg.attach(model)` and nothing else;
 - `gates`: attached, with `hub.gate(layer)` created on every layer (trainable, at 1);
-- `capture`: attached, the forward runs inside `hub.capture()` (all layers) and the loss adds
+- `capture`: attached, the forward runs inside `hub.capture()` (all layers): the hub's own cost;
+- `capture_term`: as `capture`, and the loss adds
   `1e-3 * sum(p.diagonal(dim1=-2, dim2=-1).mean() for p in probs.values())` (mean self-attention mass),
-  so the backward pass runs through every captured probability tensor at almost no extra cost.
+  so the backward pass also runs through every captured probability tensor (the cost of any attention
+  loss: a second gradient of attention size to accumulate).
+
+At 128 tokens each variant gets twice the repetitions (steps are short and noisier).
 
 A train step is forward + loss + backward + `zero_grad(set_to_none=True)`; there is no optimizer step.
 After a warm-up, the variants are timed round-robin (the order rotated every repetition) so that load
-from other processes hits all of them alike; ratios are medians of per-repetition ratios.
+from other processes hits all of them alike; ratios are medians of per-repetition ratios (the JSON also
+has ratios of the fastest repetitions, `min_vs_sdpa` and `min_vs_eager`).
 
 Memory kept for backward is the total size of the distinct storages autograd saves during one forward
 (`torch.autograd.graph.saved_tensors_hooks`, parameters excluded): deterministic, unlike RSS. The peak
-RSS growth over one step is reported as well, but it depends on what the allocator kept from earlier steps.
+RSS growth over that same step is reported as well, but it depends on what the allocator kept from earlier
+steps, so it is only indicative.
 
 glibc returns large blocks to the OS and the kernel zeroes fresh pages at every large allocation; see
 DESIGN.md. `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000` in the environment avoids that;
@@ -63,7 +69,7 @@ SHAPES = {"bert": "classification", "gpt2": "causal_lm"}
 SIZES = dict(hidden=384, layers=4, heads=12, vocab=1000, positions=512)
 BATCH = 16
 CAPTURE_WEIGHT = 1e-3
-VARIANTS = ("sdpa", "eager", "idle", "gates", "capture")
+VARIANTS = ("sdpa", "eager", "idle", "gates", "capture", "capture_term")
 # (variant, baseline, largest allowed ratio of step times)
 TARGETS = (("idle", "sdpa", 1.02), ("gates", "sdpa", 1.05), ("capture", "eager", 1.10))
 MALLOC_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
@@ -76,6 +82,7 @@ class Variant:
     model: nn.Module
     hub: AttentionHub | None = None
     capture: bool = False
+    term: bool = False
 
 
 def build_variants(family: str) -> list[Variant]:
@@ -87,12 +94,12 @@ def build_variants(family: str) -> list[Variant]:
         hub = None
         if name == "eager":
             model.set_attn_implementation("eager")
-        elif name in ("idle", "gates", "capture"):
+        elif name in ("idle", "gates", "capture", "capture_term"):
             hub = attnreg.attach(model)
             if name == "gates":
                 for layer in range(hub.num_layers):
                     hub.gate(layer)
-        variants.append(Variant(name, model, hub, capture=name == "capture"))
+        variants.append(Variant(name, model, hub, capture=name.startswith("capture"), term=name == "capture_term"))
     return variants
 
 
@@ -117,6 +124,8 @@ def forward_loss(variant: Variant, batch: dict[str, torch.Tensor]) -> tuple[torc
         model_loss = variant.model(**batch).loss
     if len(probs) != variant.hub.num_layers:
         raise RuntimeError(f"captured {len(probs)} layers, expected {variant.hub.num_layers}")
+    if not variant.term:
+        return model_loss, model_loss
     term = sum(p.diagonal(dim1=-2, dim2=-1).mean() for p in probs.values())
     return model_loss + CAPTURE_WEIGHT * term, model_loss
 
@@ -169,7 +178,7 @@ def peak_rss_growth(step: Callable[[], object]) -> int | None:
     peak = _status_kb("VmHWM")
     if before is None or peak is None:
         return None
-    return (peak - before) * 1024
+    return max(0, peak - before) * 1024
 
 
 def run_config(family: str, tokens: int, reps: int, warmup: int) -> dict:
@@ -185,8 +194,10 @@ def run_config(family: str, tokens: int, reps: int, warmup: int) -> dict:
         if abs(loss - reference) > 1e-3 * max(1.0, abs(reference)):
             raise RuntimeError(f"{family} {tokens}: {name} loss {loss:.6f} differs from sdpa {reference:.6f}")
 
-    memory = {v.name: saved_bytes(v, batch) for v in variants}
-    rss = {v.name: peak_rss_growth(lambda v=v: train_step(v, batch)) for v in variants}
+    memory: dict[str, int] = {}
+    rss: dict[str, int | None] = {}
+    for variant in variants:
+        rss[variant.name] = peak_rss_growth(lambda v=variant: memory.__setitem__(v.name, saved_bytes(v, batch)))
 
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for rep in range(reps):
@@ -205,6 +216,9 @@ def run_config(family: str, tokens: int, reps: int, warmup: int) -> dict:
             "median_s": statistics.median(times[name]),
             "vs_sdpa": ratio(name, "sdpa"),
             "vs_eager": ratio(name, "eager"),
+            "min_s": min(times[name]),
+            "min_vs_sdpa": min(times[name]) / min(times["sdpa"]),
+            "min_vs_eager": min(times[name]) / min(times["eager"]),
             "saved_bytes": memory[name],
             "saved_vs_sdpa": memory[name] / memory["sdpa"],
             "saved_vs_eager": memory[name] / memory["eager"],
@@ -264,9 +278,9 @@ def markdown(results: dict) -> str:
         f"- Models: BERT classifier and GPT-2 causal LM, {SIZES['layers']} layers x {SIZES['heads']} heads x "
         f"{SIZES['hidden']}, vocabulary {SIZES['vocab']}, dropout 0, random weights; batch {BATCH}",
         f"- Step: forward + loss + backward + zero_grad (no optimizer step); {results['warmup']} warm-up and "
-        f"{results['reps']} timed repetitions per variant, interleaved round-robin",
-        f"- Capture term: `{CAPTURE_WEIGHT} * sum(p.diagonal(dim1=-2, dim2=-1).mean() for p in probs.values())` "
-        "added to the loss, all layers captured",
+        f"{results['reps']} timed repetitions per variant (twice as many at 128 tokens), interleaved round-robin",
+        f"- capture: all layers captured, probabilities kept; capture_term: also "
+        f"`{CAPTURE_WEIGHT} * sum(p.diagonal(dim1=-2, dim2=-1).mean() for p in probs.values())` added to the loss",
         "- Ratios: median over repetitions of (variant step time / baseline step time in the same repetition)",
         "- Saved: bytes of distinct storages autograd keeps for backward (parameters excluded); peak RSS growth "
         "over one step depends on what the allocator kept from earlier steps",
@@ -324,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     for tokens in lengths:
         for family in SHAPES:
-            results["configs"].append(run_config(family, tokens, reps, warmup))
+            results["configs"].append(run_config(family, tokens, reps * 2 if tokens <= 128 else reps, warmup))
     results["wall_s"] = time.perf_counter() - started
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ def test_implementation_changed_after_attach_is_detected():
 @pytest.mark.parametrize("layer", [2, -1, "0"])
 def test_layer_out_of_range(layer):
     hub = attnreg.attach(tiny_model("bert"))
-    with pytest.raises(IndexError, match=rf"layer.*out of range: BertModel has 2 attention layers \(0 to 1\)"):
+    with pytest.raises(IndexError, match=r"layer.*out of range: BertModel has 2 attention layers \(0 to 1\)"):
         hub.gate(layer)
     with pytest.raises(IndexError, match="layers="):
         with hub.capture(layers=[0, layer]):

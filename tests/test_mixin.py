@@ -32,6 +32,8 @@ class ByHand(Classifier):
 
 
 class PlainModule(L.LightningModule):
+    """A user's existing module, written without attnreg."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -148,3 +150,16 @@ def test_term_must_return_a_scalar_and_names_are_unique():
         module.training_step(batches(1)[0], 0)
     with pytest.raises(ValueError, match="already registered"):
         module.add_attnreg_term("vector", lambda probs, batch: torch.ones(()))
+
+
+class MixedIn(attnreg.AttnRegMixin, PlainModule):
+    """The mixin added to an existing module without touching its training_step."""
+
+
+def test_mixin_wraps_an_inherited_training_step():
+    module = MixedIn(tiny_model("bert", head="classification"))
+    module.add_attnreg_term("constant", lambda probs, batch: torch.tensor(3.0))
+    batch = batches(1)[0]
+    assert torch.allclose(module.training_step(batch, 0), module.model(**batch).loss + 3.0)
+    plain = PlainModule(module.model)
+    assert torch.allclose(plain.training_step(batch, 0), module.model(**batch).loss)  # the base is untouched
