@@ -1,0 +1,111 @@
+"""Entropy and prior-KL callbacks in real Lightning fits: they move the attention they target."""
+
+import lightning as L
+import pytest
+import torch
+from conftest import padded_batch
+from torch.utils.data import DataLoader
+
+import attnreg
+from attnreg.losses import attention_entropy
+from attnreg.tiny import tiny_model
+
+PRIOR = "attnreg_prior"
+
+
+class Classifier(attnreg.AttnRegMixin, L.LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        inputs = {key: value for key, value in batch.items() if key != PRIOR}
+        return self.model(**inputs).loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def previous_token_prior(attention_mask):
+    """Each real token should attend to the one before it (the first token is left out)."""
+    positions = torch.arange(attention_mask.shape[1]).expand_as(attention_mask) - 1
+    return positions.masked_fill(~attention_mask.bool(), -1)
+
+
+def batches(count, seed=0):
+    items = []
+    for index in range(count):
+        batch = padded_batch(batch=8, length=10, seed=seed + index)
+        batch["labels"] = (batch["input_ids"][:, 0] % 2).long()
+        batch[PRIOR] = previous_token_prior(batch["attention_mask"])
+        items.append(batch)
+    return items
+
+
+def fit(model, callback, steps):
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    trainer.fit(Classifier(model), DataLoader(batches(steps), batch_size=None))
+    return trainer
+
+
+def measure(model, layer):
+    """(normalized entropy per head, fraction of rows whose argmax is the previous token, per head)."""
+    batch = batches(1, seed=100)[0]
+    hub = attnreg.attach(model)
+    with torch.no_grad(), hub.capture(layers=[layer]) as probs:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    entropy = attention_entropy(probs[layer], batch["attention_mask"], causal=True, normalize=True)
+    rows = batch[PRIOR] >= 0
+    hits = (probs[layer].argmax(-1) == batch[PRIOR][:, None]) & rows[:, None]
+    return entropy, hits.sum((0, 2)) / rows.sum()
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_entropy_callback_moves_entropy_the_asked_way(mode):
+    model = tiny_model("gpt2", head="classification", initializer_range=0.2)
+    before, _ = measure(model, 1)
+    trainer = fit(model, attnreg.AttentionEntropy(mode=mode, weight=1.0, layers=[1]), steps=12)
+    after, _ = measure(model, 1)
+    assert "attnreg/entropy" in trainer.callback_metrics
+    change = (after - before).mean()
+    assert change < -0.05 if mode == "min" else change > 0.05
+
+
+def test_entropy_target_band_pulls_heads_into_it():
+    model = tiny_model("bert", head="classification", initializer_range=0.2)
+    before, _ = measure(model, 0)
+    band = (0.3, 0.5)
+    assert before.min() > band[1]
+    fit(model, attnreg.AttentionEntropy(mode="target", band=band, weight=10.0, layers=[0]), steps=20)
+    after, _ = measure(model, 0)
+    assert (after - band[1]).clamp_min(0).mean() < 0.5 * (before - band[1]).clamp_min(0).mean()
+
+
+def test_prior_kl_callback_teaches_the_supervised_head():
+    model = tiny_model("gpt2", head="classification")
+    _, before = measure(model, 0)
+    trainer = fit(model, attnreg.AttentionPriorKL(weight=1.0, layers=[0], heads=[0]), steps=20)
+    _, after = measure(model, 0)
+    assert "attnreg/prior_kl" in trainer.callback_metrics
+    assert after[0] > 0.9 and before[0] < 0.5
+
+
+def test_callbacks_check_heads_and_prior_key():
+    model = tiny_model("bert", head="classification")
+    with pytest.raises(IndexError, match=r"heads=\[7\] out of range for layer 0, which has 4 heads"):
+        fit(model, attnreg.AttentionPriorKL(layers=[0], heads=[7]), steps=1)
+    module = Classifier(tiny_model("bert", head="classification"))
+    callback = attnreg.AttentionPriorKL(layers=[0], prior_key="parents")
+    callback.setup(None, module, "fit")
+    with pytest.raises(KeyError, match=r"batch\['parents'\]; the batch has \['attention_mask', 'attnreg_prior'"):
+        module.training_step(batches(1)[0], 0)
+    with pytest.raises(ValueError, match="band"):
+        attnreg.AttentionEntropy(mode="target")
