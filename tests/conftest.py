@@ -1,7 +1,9 @@
 import copy
 
+import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import attnreg
 from attnreg.tiny import tiny_model
@@ -44,3 +46,18 @@ def eager_copy(model):
         attnreg.detach(reference)
     reference.set_attn_implementation("eager")
     return reference
+
+
+def fit(module, batches, callbacks=()) -> L.Trainer:
+    """A real, quiet Lightning fit on CPU: one step per batch in `batches` (already collated)."""
+    trainer = L.Trainer(
+        max_steps=len(batches),
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    return trainer

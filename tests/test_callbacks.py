@@ -1,10 +1,10 @@
 """Entropy and prior-KL callbacks in real Lightning fits: they move the attention they target."""
 
+import conftest
 import lightning as L
 import pytest
 import torch
 from conftest import padded_batch
-from torch.utils.data import DataLoader
 
 import attnreg
 from attnreg.losses import attention_entropy
@@ -43,17 +43,7 @@ def batches(count, seed=0):
 
 
 def fit(model, callback, steps):
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
-    trainer.fit(Classifier(model), DataLoader(batches(steps), batch_size=None))
-    return trainer
+    return conftest.fit(Classifier(model), batches(steps), [callback])
 
 
 def measure(model, layer):

@@ -2,11 +2,11 @@
 
 import copy
 
+import conftest
 import lightning as L
 import pytest
 import torch
 from conftest import padded_batch
-from torch.utils.data import DataLoader
 
 import attnreg
 from attnreg.tiny import tiny_model
@@ -59,17 +59,7 @@ def mean_entropy(probs: torch.Tensor) -> torch.Tensor:
 
 
 def fit(module, callbacks=(), steps=4):
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
-    trainer.fit(module, DataLoader(batches(steps), batch_size=None))
-    return trainer
+    return conftest.fit(module, batches(steps), callbacks)
 
 
 def test_fit_with_a_term_changes_training_and_logs_it():
