@@ -8,7 +8,7 @@ Example:
     >>> probs[0]                             # [batch, heads, queries, keys], with autograd graph
 """
 
-from attnreg.callbacks import AttentionEntropy, AttentionLoss, AttentionPriorKL
+from attnreg.callbacks import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
 from attnreg.hub import AttentionHub, AttentionRecord, LayerInfo, attach, detach, hub_of
 from attnreg.mixin import AttentionTerm, AttnRegMixin
@@ -16,9 +16,9 @@ from attnreg.mixin import AttentionTerm, AttnRegMixin
 __all__ = [
     "FAMILIES",
     "AttentionHub",
-    "AttentionEntropy",
+    "EntropyRegularizer",
     "AttentionLoss",
-    "AttentionPriorKL",
+    "SyntaxPriorKL",
     "AttentionRecord",
     "AttentionTerm",
     "AttnRegMixin",

@@ -62,7 +62,7 @@ def measure(model, layer):
 def test_entropy_callback_moves_entropy_the_asked_way(mode):
     model = tiny_model("gpt2", head="classification", initializer_range=0.2)
     before, _ = measure(model, 1)
-    trainer = fit(model, attnreg.AttentionEntropy(mode=mode, weight=1.0, layers=[1]), steps=12)
+    trainer = fit(model, attnreg.EntropyRegularizer(mode=mode, weight=1.0, layers=[1]), steps=12)
     after, _ = measure(model, 1)
     assert "attnreg/entropy" in trainer.callback_metrics
     change = (after - before).mean()
@@ -74,7 +74,7 @@ def test_entropy_target_band_pulls_heads_into_it():
     before, _ = measure(model, 0)
     band = (0.3, 0.5)
     assert before.min() > band[1]
-    fit(model, attnreg.AttentionEntropy(mode="target", band=band, weight=10.0, layers=[0]), steps=20)
+    fit(model, attnreg.EntropyRegularizer(mode="target", band=band, weight=10.0, layers=[0]), steps=20)
     after, _ = measure(model, 0)
     assert (after - band[1]).clamp_min(0).mean() < 0.5 * (before - band[1]).clamp_min(0).mean()
 
@@ -82,7 +82,7 @@ def test_entropy_target_band_pulls_heads_into_it():
 def test_prior_kl_callback_teaches_the_supervised_head():
     model = tiny_model("gpt2", head="classification")
     _, before = measure(model, 0)
-    trainer = fit(model, attnreg.AttentionPriorKL(weight=1.0, layers=[0], heads=[0]), steps=20)
+    trainer = fit(model, attnreg.SyntaxPriorKL(weight=1.0, layers=[0], heads=[0]), steps=20)
     _, after = measure(model, 0)
     assert "attnreg/prior_kl" in trainer.callback_metrics
     assert after[0] > 0.9 and before[0] < 0.5
@@ -91,11 +91,11 @@ def test_prior_kl_callback_teaches_the_supervised_head():
 def test_callbacks_check_heads_and_prior_key():
     model = tiny_model("bert", head="classification")
     with pytest.raises(IndexError, match=r"heads=\[7\] out of range for layer 0, which has 4 heads"):
-        fit(model, attnreg.AttentionPriorKL(layers=[0], heads=[7]), steps=1)
+        fit(model, attnreg.SyntaxPriorKL(layers=[0], heads=[7]), steps=1)
     module = Classifier(tiny_model("bert", head="classification"))
-    callback = attnreg.AttentionPriorKL(layers=[0], prior_key="parents")
+    callback = attnreg.SyntaxPriorKL(layers=[0], prior_key="parents")
     callback.setup(None, module, "fit")
     with pytest.raises(KeyError, match=r"batch\['parents'\]; the batch has \['attention_mask', 'attnreg_prior'"):
         module.training_step(batches(1)[0], 0)
     with pytest.raises(ValueError, match="band"):
-        attnreg.AttentionEntropy(mode="target")
+        attnreg.EntropyRegularizer(mode="target")

@@ -59,7 +59,7 @@ class AttentionLoss(L.Callback):
         pl_module.remove_attnreg_term(self.name)
 
 
-class AttentionEntropy(AttentionLoss):
+class EntropyRegularizer(AttentionLoss):
     """Entropy regularization of attention heads.
 
     `mode="min"` sharpens, `"max"` flattens (EAR), `"target"` keeps each head (or each layer's head
@@ -67,7 +67,7 @@ class AttentionEntropy(AttentionLoss):
     unless `normalize=False`; `heads` limits the loss to some heads of every chosen layer.
 
     Example:
-        >>> attnreg.AttentionEntropy(mode="target", band=(0.3, 0.8), layers=[4, 5], weight=0.1)
+        >>> attnreg.EntropyRegularizer(mode="target", band=(0.3, 0.8), layers=[4, 5], weight=0.1)
     """
 
     def __init__(
@@ -95,14 +95,14 @@ class AttentionEntropy(AttentionLoss):
         return entropy_penalty(torch.stack(entropies), self.mode, self.band, self.per)
 
 
-class AttentionPriorKL(AttentionLoss):
+class SyntaxPriorKL(AttentionLoss):
     """KL(prior ‖ attention) for chosen heads, with the prior read from the batch.
 
     The batch (a dict) carries `batch[prior_key]`: one-hot key indices `[B, T]` (-1 = row left out)
     or dense rows `[B, T, S]`, aligned with the model's tokens (the syntax pipeline builds them).
 
     Example:
-        >>> attnreg.AttentionPriorKL(weight=1.0, layers=[0, 1], heads=[0])
+        >>> attnreg.SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0])
     """
 
     def __init__(

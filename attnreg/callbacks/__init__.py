@@ -1,0 +1,9 @@
+"""Lightning callbacks: thin adapters that decide *when* attnreg's functions run.
+
+Example:
+    >>> trainer = lightning.Trainer(callbacks=[attnreg.EntropyRegularizer(mode="max", weight=0.01)])
+"""
+
+from attnreg.callbacks.regularizers import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
+
+__all__ = ["AttentionLoss", "EntropyRegularizer", "SyntaxPriorKL"]
