@@ -8,6 +8,7 @@ Example:
     >>> probs[0]                             # [batch, heads, queries, keys], with autograd graph
 """
 
+from attnreg import analysis, syntax
 from attnreg.callbacks import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
 from attnreg.hub import AttentionHub, AttentionRecord, LayerInfo, attach, detach, hub_of
@@ -25,8 +26,10 @@ __all__ = [
     "Family",
     "LayerInfo",
     "UnsupportedModelError",
+    "analysis",
     "attach",
     "detach",
     "detect_family",
     "hub_of",
+    "syntax",
 ]

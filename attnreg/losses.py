@@ -130,15 +130,26 @@ def prior_kl(
     prior: torch.Tensor,
     heads: Sequence[int] | None = None,
     reduction: HeadReduction = "mean_heads",
+    causal: bool = False,
 ) -> torch.Tensor:
     """KL(prior ‖ attention) per query row, averaged over rows that have prior mass.
 
     `prior` is either dense `[B, T, S]` (each row a distribution, or all zeros for rows left out) or
     one-hot as indices `[B, T]` (the key each query should attend to, -1 for rows left out).
     `heads` picks the supervised heads (None = all). `reduction`: "mean_heads" averages the per-head
-    KLs; "mean_attention" takes the KL of the head-averaged attention. Zero prior entries contribute 0,
-    and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
+    KLs; "mean_attention" takes the KL of the head-averaged attention. With `causal=True` the prior
+    is first restricted to keys at or before each query (see `causal_prior`). Zero prior entries
+    contribute 0, and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
     """
+    batch, _, queries, keys = probs.shape
+    expected = (batch, queries) if prior.dim() == 2 else (batch, queries, keys)
+    if tuple(prior.shape) != expected:
+        raise ValueError(
+            f"prior of shape {tuple(prior.shape)} does not match attention of shape {tuple(probs.shape)} "
+            f"[B, H, T, S]: expected key indices {(batch, queries)} or dense rows {(batch, queries, keys)}"
+        )
+    if causal:
+        prior = causal_prior(prior, keys)
     if heads is not None:
         probs = probs[:, list(heads)]
     if reduction == "mean_attention":
@@ -158,3 +169,21 @@ def prior_kl(
         per_row = -(prior[:, None] * log_p).sum(-1) - prior_entropy[:, None]
     weights = rows[:, None, :].to(per_row.dtype).expand_as(per_row)
     return (per_row * weights).sum() / weights.sum().clamp_min(1)
+
+
+def causal_prior(prior: torch.Tensor, keys: int | None = None) -> torch.Tensor:
+    """Restrict a prior to keys at or before each query, as a decoder sees them.
+
+    Key indices `[B, T]` after the query become -1 (row left out); dense rows `[B, T, S]` lose the
+    later keys and are renormalized, and rows with no mass left become all zeros (left out). `keys`
+    (S) defaults to T; queries are the last T of the S positions.
+    """
+    queries = prior.shape[1]
+    keys = queries if keys is None else keys
+    position = torch.arange(queries, device=prior.device) + (keys - queries)
+    if prior.dim() == 2:
+        return prior.masked_fill(prior > position, -1)
+    allowed = torch.arange(keys, device=prior.device)[None, :] <= position[:, None]
+    prior = prior * allowed
+    totals = prior.sum(-1, keepdim=True)
+    return torch.where(totals > 0, prior / totals.clamp_min(_TINY), torch.zeros_like(prior))

