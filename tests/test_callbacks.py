@@ -99,3 +99,34 @@ def test_callbacks_check_heads_and_prior_key():
         module.training_step(batches(1)[0], 0)
     with pytest.raises(ValueError, match="band"):
         attnreg.EntropyRegularizer(mode="target")
+
+
+def test_prior_kl_with_one_head_per_layer_teaches_each_chosen_head():
+    model = tiny_model("gpt2", head="classification")
+    trainer = fit(model, attnreg.SyntaxPriorKL(weight=1.0, heads={0: [1], 1: [2]}), steps=20)
+    assert {"attnreg/prior_kl/layer0", "attnreg/prior_kl/layer1"} <= set(trainer.callback_metrics)
+    _, layer0 = measure(model, 0)
+    _, layer1 = measure(model, 1)
+    assert layer0[1] > 0.9 and layer1[2] > 0.9
+
+
+def test_weights_and_head_maps_are_validated():
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got -1"):
+        attnreg.SyntaxPriorKL(weight=-1)
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got nan"):
+        attnreg.EntropyRegularizer(weight=float("nan"))
+    callback = attnreg.SyntaxPriorKL(layers=[0], heads={1: [0]})
+    with pytest.raises(ValueError, match=r"heads is given for layers \[1\] but layers=\[0\]"):
+        callback.setup(None, Classifier(tiny_model("bert", head="classification")), "fit")
+
+
+def test_weight_schedule_follows_the_global_step():
+    model = tiny_model("bert", head="classification")
+    seen = []
+
+    def warmup(step):
+        seen.append(step)
+        return min(1.0, step / 4)
+
+    fit(model, attnreg.EntropyRegularizer(weight=warmup, mode="max", layers=[0]), steps=6)
+    assert seen == [0, 1, 2, 3, 4, 5]

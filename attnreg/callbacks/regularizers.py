@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import lightning as L
@@ -23,6 +23,7 @@ from attnreg.mixin import AttnRegMixin, TermFunction, require_mixin
 from attnreg.syntax.data import PRIOR_KEY
 
 Weight = float | Callable[[int], float]
+Heads = Iterable[int] | Mapping[int, Iterable[int]] | None
 
 
 class AttentionLoss(L.Callback):
@@ -30,8 +31,9 @@ class AttentionLoss(L.Callback):
 
     `fn` receives the captured attention of `layers` (None = all) as an `AttentionRecord` and the
     batch; it returns a scalar tensor. `weight` is a number or a schedule: a function of the global
-    step returning a number (for instance a warmup). The LightningModule must use
-    `attnreg.AttnRegMixin`.
+    step returning a number (for instance a warmup). Subclasses take `heads`: the same heads in every
+    chosen layer, or a mapping `{layer: heads}` (whose keys are then the layers). The LightningModule
+    must use `attnreg.AttnRegMixin`.
     """
 
     def __init__(
@@ -47,8 +49,21 @@ class AttentionLoss(L.Callback):
         self.weight = weight
         if not callable(weight):
             _check_weight(weight, type(self).__name__)
-        self.heads: list[int] | None = None
+        self.heads: dict[int, list[int]] | list[int] | None = None
         self.module: AttnRegMixin | None = None
+
+    def set_heads(self, heads: Heads) -> None:
+        """Keep `heads` (see the class docstring); a mapping also sets `layers` when none were given."""
+        if isinstance(heads, Mapping):
+            self.heads = {int(layer): list(chosen) for layer, chosen in heads.items()}
+            if self.layers is None:
+                self.layers = list(self.heads)
+        else:
+            self.heads = None if heads is None else list(heads)
+
+    def heads_of(self, layer: int) -> list[int] | None:
+        """The heads of `layer` this loss applies to (None = all)."""
+        return self.heads.get(layer) if isinstance(self.heads, dict) else self.heads
 
     def current_weight(self) -> float:
         """The weight at the module's current global step."""
@@ -74,14 +89,17 @@ class AttentionLoss(L.Callback):
         self.module = module
         self.layers = module.attnreg_terms[self.name].layers or tuple(range(module.attnreg_hub.num_layers))
         self.causal = module.attnreg_hub.family.causal
-        if self.heads is not None:
-            for layer in self.layers:
-                count = module.attnreg_hub.layers[layer].num_heads
-                if not all(0 <= head < count for head in self.heads):
-                    raise IndexError(
-                        f"{type(self).__name__}: heads={list(self.heads)} out of range for layer "
-                        f"{layer}, which has {count} heads (valid: 0..{count - 1})"
-                    )
+        if isinstance(self.heads, dict) and set(self.heads) != set(self.layers):
+            raise ValueError(
+                f"{type(self).__name__}: heads is given for layers {sorted(self.heads)} but layers={list(self.layers)}"
+            )
+        for layer in self.layers:
+            heads, count = self.heads_of(layer), module.attnreg_hub.layers[layer].num_heads
+            if heads is not None and not all(0 <= head < count for head in heads):
+                raise IndexError(
+                    f"{type(self).__name__}: heads={heads} out of range for layer "
+                    f"{layer}, which has {count} heads (valid: 0..{count - 1})"
+                )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         pl_module.remove_attnreg_term(self.name)
@@ -106,7 +124,7 @@ class EntropyRegularizer(AttentionLoss):
         mode: EntropyMode = "min",
         target: tuple[float, float] | None = None,
         layers: int | Iterable[int] | None = None,
-        heads: Iterable[int] | None = None,
+        heads: Heads = None,
         normalize: bool = True,
         per: str = "head",
         name: str = "entropy",
@@ -115,17 +133,19 @@ class EntropyRegularizer(AttentionLoss):
         entropy_penalty(torch.zeros(1), mode, target, per)  # validate the options now, not at step one
         super().__init__(self._penalty, name=name, layers=layers, weight=weight)
         self.mode, self.target, self.per, self.normalize = mode, target, per, normalize
-        self.heads = None if heads is None else list(heads)
+        self.set_heads(heads)
 
     def _penalty(self, probs: AttentionRecord, batch: Any) -> torch.Tensor:
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         entropies = []
         for layer in self.layers:
             entropy = attention_entropy(probs[layer], mask, causal=self.causal, normalize=self.normalize)
-            entropies.append(entropy if self.heads is None else entropy[self.heads])
-        entropies = torch.stack(entropies)
-        self.log_layers(entropies.mean(-1))
-        return entropy_penalty(entropies, self.mode, self.target, self.per)
+            heads = self.heads_of(layer)
+            entropies.append(entropy if heads is None else entropy[heads])
+        self.log_layers(torch.stack([entropy.mean() for entropy in entropies]))
+        if self.per == "layer" or len({len(entropy) for entropy in entropies}) == 1:
+            return entropy_penalty(torch.stack(entropies), self.mode, self.target, self.per)
+        return torch.stack([entropy_penalty(entropy, self.mode, self.target) for entropy in entropies]).mean()
 
 
 class SyntaxPriorKL(AttentionLoss):
@@ -138,13 +158,14 @@ class SyntaxPriorKL(AttentionLoss):
 
     Example:
         >>> attnreg.SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0])
+        >>> attnreg.SyntaxPriorKL(heads={0: [3], 1: [4], 2: [8]})   # one chosen head per layer
     """
 
     def __init__(
         self,
         weight: Weight = 1.0,
         layers: int | Iterable[int] | None = None,
-        heads: Iterable[int] | None = None,
+        heads: Heads = None,
         head_reduction: HeadReduction = "mean_heads",
         prior_key: str = PRIOR_KEY,
         name: str = "prior_kl",
@@ -152,7 +173,7 @@ class SyntaxPriorKL(AttentionLoss):
         super().__init__(self._kl, name=name, layers=layers, weight=weight)
         if head_reduction not in ("mean_heads", "mean_attention"):
             raise ValueError(f"head_reduction must be 'mean_heads' or 'mean_attention', got {head_reduction!r}")
-        self.heads = None if heads is None else list(heads)
+        self.set_heads(heads)
         self.head_reduction, self.prior_key = head_reduction, prior_key
 
     def _kl(self, probs: AttentionRecord, batch: Any) -> torch.Tensor:
@@ -164,7 +185,10 @@ class SyntaxPriorKL(AttentionLoss):
             )
         prior = batch[self.prior_key]
         losses = torch.stack(
-            [prior_kl(probs[layer], prior, self.heads, self.head_reduction, self.causal) for layer in self.layers]
+            [
+                prior_kl(probs[layer], prior, self.heads_of(layer), self.head_reduction, self.causal)
+                for layer in self.layers
+            ]
         )
         self.log_layers(losses)
         return losses.mean()

