@@ -8,28 +8,41 @@ Example:
     >>> probs[0]                             # [batch, heads, queries, keys], with autograd graph
 """
 
-from attnreg import analysis, syntax
-from attnreg.callbacks import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
+from attnreg import analysis, schedules, syntax
+from attnreg.callbacks import (
+    AttentionDropoutSchedule,
+    AttentionLoss,
+    EntropyRegularizer,
+    FreezeLayers,
+    LayerwiseLR,
+    SyntaxPriorKL,
+)
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
 from attnreg.hub import AttentionHub, AttentionRecord, LayerInfo, attach, detach, hub_of
 from attnreg.mixin import AttentionTerm, AttnRegMixin
+from attnreg.optim import layerwise_param_groups
 
 __all__ = [
-    "FAMILIES",
+    "AttentionDropoutSchedule",
     "AttentionHub",
-    "EntropyRegularizer",
     "AttentionLoss",
-    "SyntaxPriorKL",
     "AttentionRecord",
     "AttentionTerm",
     "AttnRegMixin",
+    "EntropyRegularizer",
+    "FAMILIES",
     "Family",
+    "FreezeLayers",
     "LayerInfo",
+    "LayerwiseLR",
+    "SyntaxPriorKL",
     "UnsupportedModelError",
     "analysis",
     "attach",
     "detach",
     "detect_family",
     "hub_of",
+    "layerwise_param_groups",
+    "schedules",
     "syntax",
 ]

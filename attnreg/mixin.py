@@ -60,17 +60,7 @@ class AttnRegMixin:
     # -- the model and its hub ----------------------------------------------------------------
     @property
     def attnreg_model(self) -> PreTrainedModel:
-        if self.attnreg_model_attr is not None:
-            return getattr(self, self.attnreg_model_attr)
-        found = [m for m in self.modules() if isinstance(m, PreTrainedModel)]
-        outermost = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
-        if len(outermost) != 1:
-            names = [type(m).__name__ for m in outermost] or "none"
-            raise RuntimeError(
-                f"{type(self).__name__} must hold exactly one transformers model for attnreg, found {names}; "
-                "set `attnreg_model_attr` to the attribute that holds the one to regularize"
-            )
-        return outermost[0]
+        return find_transformers_model(self)
 
     @property
     def attnreg_hub(self) -> AttentionHub:
@@ -156,6 +146,29 @@ def _add_loss(output: Any, extra: torch.Tensor) -> Any:
         f"training_step returned {type(output).__name__}; attnreg can add its terms to a tensor or a dict with "
         "'loss'. Return one of those, or call self.attnreg_loss() and add it yourself."
     )
+
+
+def find_transformers_model(module: nn.Module) -> PreTrainedModel:
+    """The one transformers model inside `module` (or `module` itself), for any LightningModule.
+
+    `module.attnreg_model_attr`, where set, names the attribute to use when there is more than one.
+
+    Example:
+        >>> find_transformers_model(classifier) is classifier.model
+        True
+    """
+    attr = getattr(module, "attnreg_model_attr", None)
+    if attr is not None:
+        return getattr(module, attr)
+    found = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    outermost = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
+    if len(outermost) != 1:
+        names = [type(m).__name__ for m in outermost] or "none"
+        raise RuntimeError(
+            f"{type(module).__name__} must hold exactly one transformers model for attnreg, found {names}; "
+            "set `attnreg_model_attr` to the attribute that holds the one to use"
+        )
+    return outermost[0]
 
 
 def require_mixin(pl_module: Any, user: object) -> AttnRegMixin:

@@ -8,6 +8,7 @@ from conftest import padded_batch
 
 import attnreg
 from attnreg.losses import attention_entropy
+from attnreg.schedules import Linear
 from attnreg.tiny import tiny_model
 
 PRIOR = "attnreg_prior"
@@ -120,13 +121,17 @@ def test_weights_and_head_maps_are_validated():
         callback.setup(None, Classifier(tiny_model("bert", head="classification")), "fit")
 
 
-def test_weight_schedule_follows_the_global_step():
+def test_weight_schedule_follows_training_progress():
     model = tiny_model("bert", head="classification")
-    seen = []
+    callback = attnreg.EntropyRegularizer(weight=Linear(0.0, 1.0), mode="max", layers=[0])
+    weights = []
+    module = Classifier(model)
+    original = callback.term
 
-    def warmup(step):
-        seen.append(step)
-        return min(1.0, step / 4)
+    def recording(probs, batch):
+        weights.append(callback.current_weight())
+        return original(probs, batch)
 
-    fit(model, attnreg.EntropyRegularizer(weight=warmup, mode="max", layers=[0]), steps=6)
-    assert seen == [0, 1, 2, 3, 4, 5]
+    callback.term = recording
+    conftest.fit(module, batches(4), [callback])
+    assert weights == [0.0, 0.25, 0.5, 0.75]

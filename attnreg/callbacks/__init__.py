@@ -4,6 +4,15 @@ Example:
     >>> trainer = lightning.Trainer(callbacks=[attnreg.EntropyRegularizer(mode="max", weight=0.01)])
 """
 
+from attnreg.callbacks.dropout import AttentionDropoutSchedule
+from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
 from attnreg.callbacks.regularizers import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
 
-__all__ = ["AttentionLoss", "EntropyRegularizer", "SyntaxPriorKL"]
+__all__ = [
+    "AttentionDropoutSchedule",
+    "AttentionLoss",
+    "EntropyRegularizer",
+    "FreezeLayers",
+    "LayerwiseLR",
+    "SyntaxPriorKL",
+]

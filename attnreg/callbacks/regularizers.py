@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import lightning as L
@@ -20,9 +20,9 @@ import torch
 from attnreg.hub import AttentionRecord
 from attnreg.losses import EntropyMode, HeadReduction, attention_entropy, entropy_penalty, prior_kl
 from attnreg.mixin import AttnRegMixin, TermFunction, require_mixin
+from attnreg.schedules import ScheduleLike, as_schedule, step_progress
 from attnreg.syntax.data import PRIOR_KEY
 
-Weight = float | Callable[[int], float]
 Heads = Iterable[int] | Mapping[int, Iterable[int]] | None
 
 
@@ -30,10 +30,11 @@ class AttentionLoss(L.Callback):
     """Adds `weight * fn(probs, batch)` to the training loss, logged as `attnreg/<name>`.
 
     `fn` receives the captured attention of `layers` (None = all) as an `AttentionRecord` and the
-    batch; it returns a scalar tensor. `weight` is a number or a schedule: a function of the global
-    step returning a number (for instance a warmup). Subclasses take `heads`: the same heads in every
-    chosen layer, or a mapping `{layer: heads}` (whose keys are then the layers). The LightningModule
-    must use `attnreg.AttnRegMixin`.
+    batch; it returns a scalar tensor. `weight` is a number or a schedule of training progress in
+    [0, 1] (`attnreg.schedules`, e.g. `Warmup(0.1, Constant(1.0))`; progress = global step / the
+    trainer's estimated steps, so a resumed run continues the schedule). Subclasses take `heads`: the
+    same heads in every chosen layer, or a mapping `{layer: heads}` (whose keys are then the layers).
+    The LightningModule must use `attnreg.AttnRegMixin`.
     """
 
     def __init__(
@@ -41,14 +42,14 @@ class AttentionLoss(L.Callback):
         fn: TermFunction,
         name: str = "attention_loss",
         layers: int | Iterable[int] | None = None,
-        weight: Weight = 1.0,
+        weight: ScheduleLike = 1.0,
     ) -> None:
         self.fn = fn
         self.name = name
         self.layers = layers
         self.weight = weight
-        if not callable(weight):
-            _check_weight(weight, type(self).__name__)
+        self.schedule = as_schedule(_check_weight(weight, type(self).__name__) if not callable(weight) else weight)
+        self.total_steps = 1
         self.heads: dict[int, list[int]] | list[int] | None = None
         self.module: AttnRegMixin | None = None
 
@@ -67,10 +68,9 @@ class AttentionLoss(L.Callback):
 
     def current_weight(self) -> float:
         """The weight at the module's current global step."""
-        if not callable(self.weight):
-            return self.weight
         step = self.module.global_step if self.module is not None and self.module._trainer is not None else 0
-        return _check_weight(self.weight(step), f"{type(self).__name__} weight schedule at step {step}")
+        progress = step_progress(min(step, self.total_steps), self.total_steps)
+        return _check_weight(self.schedule(progress), f"{type(self).__name__} weight at step {step}")
 
     def term(self, probs: AttentionRecord, batch: Any) -> torch.Tensor:
         return self.current_weight() * self.fn(probs, batch)
@@ -101,6 +101,10 @@ class AttentionLoss(L.Callback):
                     f"{layer}, which has {count} heads (valid: 0..{count - 1})"
                 )
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        estimate = trainer.estimated_stepping_batches
+        self.total_steps = int(estimate) if math.isfinite(estimate) and estimate >= 1 else 1
+
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         pl_module.remove_attnreg_term(self.name)
         self.module = None
@@ -120,7 +124,7 @@ class EntropyRegularizer(AttentionLoss):
 
     def __init__(
         self,
-        weight: Weight = 0.01,
+        weight: ScheduleLike = 0.01,
         mode: EntropyMode = "min",
         target: tuple[float, float] | None = None,
         layers: int | Iterable[int] | None = None,
@@ -163,7 +167,7 @@ class SyntaxPriorKL(AttentionLoss):
 
     def __init__(
         self,
-        weight: Weight = 1.0,
+        weight: ScheduleLike = 1.0,
         layers: int | Iterable[int] | None = None,
         heads: Heads = None,
         head_reduction: HeadReduction = "mean_heads",
