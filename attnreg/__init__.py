@@ -8,12 +8,14 @@ Example:
     >>> probs[0]                             # [batch, heads, queries, keys], with autograd graph
 """
 
-from attnreg import analysis, schedules, syntax
+from attnreg import analysis, pruning, schedules, syntax
 from attnreg.callbacks import (
     AttentionDropoutSchedule,
     AttentionLoss,
     EntropyRegularizer,
     FreezeLayers,
+    HeadGating,
+    HeadImportance,
     LayerwiseLR,
     SyntaxPriorKL,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "FAMILIES",
     "Family",
     "FreezeLayers",
+    "HeadGating",
+    "HeadImportance",
     "LayerInfo",
     "LayerwiseLR",
     "SyntaxPriorKL",
@@ -42,6 +46,7 @@ __all__ = [
     "detach",
     "detect_family",
     "hub_of",
+    "pruning",
     "layerwise_param_groups",
     "schedules",
     "syntax",

@@ -25,7 +25,9 @@ class Family:
 
     `attention` and `out_proj` are relative to one block of `blocks`; `query`, `key`, `value` are
     relative to the attention module (the module transformers hands to the attention function).
-    A fused projection (GPT-2's `c_attn`) is named in `fused_qkv` instead.
+    A fused projection (GPT-2's `c_attn`) is named in `fused_qkv` instead. `head_count_attrs` and
+    `width_attrs` name the attention module's attributes holding its query-head count and its
+    heads x head_dim width, which physical head pruning keeps in step with the weights.
     """
 
     name: str
@@ -40,6 +42,8 @@ class Family:
     key: str | None = None
     value: str | None = None
     fused_qkv: str | None = None
+    head_count_attrs: tuple[str, ...] = ()
+    width_attrs: tuple[str, ...] = ()
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         """The list of transformer blocks of `model` (a base or a head model)."""
@@ -86,6 +90,8 @@ _BERT_LIKE = dict(
     head_dim_attr="attention_head_size",
     dropout_attr="dropout",
     causal=False,
+    head_count_attrs=("num_attention_heads",),
+    width_attrs=("all_head_size",),
 )
 _LLAMA_LIKE = dict(
     blocks_path="layers",
@@ -115,6 +121,8 @@ FAMILIES: tuple[Family, ...] = (
         head_dim_attr="attention_head_size",
         dropout_attr="dropout",
         causal=False,
+        head_count_attrs=("n_heads",),
+        width_attrs=("dim",),
     ),
     Family(
         name="gpt2",
@@ -126,6 +134,8 @@ FAMILIES: tuple[Family, ...] = (
         head_dim_attr="head_dim",
         dropout_attr="attn_dropout",
         causal=True,
+        head_count_attrs=("num_heads",),
+        width_attrs=("split_size",),
     ),
     Family(name="llama", model_types=("llama",), **_LLAMA_LIKE),
     Family(name="qwen2", model_types=("qwen2",), **_LLAMA_LIKE),

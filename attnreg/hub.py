@@ -293,9 +293,35 @@ class AttentionHub:
                 found[layer] = gate
         return found
 
-    def _install_gate(self, layer: int, gate: nn.Parameter) -> None:
+    def install_gate(self, layer: int, gate: nn.Parameter | nn.Module) -> None:
+        """Install a gate of your own on `layer`: a parameter `[num_heads]`, or a module whose call
+        returns one (a hard-concrete gate that samples in training, say). Its eval-mode value is what
+        `remove_gate` and `detach` fold."""
+        if getattr(self.attention(layer), GATE, None) is not None:
+            raise ValueError(f"layer {layer} already has a gate; remove it first with hub.remove_gate({layer})")
+        self._install_gate(layer, gate)
+
+    def remove_gate(self, layer: int, fold: bool = True) -> None:
+        """Remove the gate of `layer` and its hook. With `fold`, its value is first folded into the output
+        projection's input columns, so the model computes the same function. No-op without a gate."""
         attention = self.attention(layer)
-        attention.register_parameter(GATE, gate)
+        gate = getattr(attention, GATE, None)
+        if gate is None:
+            return
+        projection = self.family.out_projection(self.model, layer)
+        if fold:
+            with torch.no_grad():
+                values = gate_values(gate, deterministic=True)
+            scale_input_columns(projection, values.repeat_interleave(self.family.head_dim(attention)))
+        _remove_hooks(projection._forward_pre_hooks, lambda hook: isinstance(hook, _GateHook))
+        delattr(attention, GATE)
+
+    def _install_gate(self, layer: int, gate: nn.Parameter | nn.Module) -> None:
+        attention = self.attention(layer)
+        if isinstance(gate, nn.Module):
+            attention.add_module(GATE, gate)
+        else:
+            attention.register_parameter(GATE, gate)
         projection = self.family.out_projection(self.model, layer)
         projection.register_forward_pre_hook(_GateHook(attention))
 
@@ -361,9 +387,27 @@ class _GateHook:
         gate = getattr(self.attention, GATE, None)
         if gate is None:
             return None
+        gate = gate_values(gate)
+        if gate.numel() == 0:  # a layer whose heads were all pruned
+            return None
         context = args[0]
         heads = context.view(*context.shape[:-1], gate.shape[0], -1) * gate.to(context.dtype)[:, None]
         return (heads.view(context.shape), *args[1:])
+
+
+def gate_values(gate: nn.Parameter | nn.Module, deterministic: bool = False) -> torch.Tensor:
+    """The per-head values of a gate: the parameter itself, or what a gate module returns (in eval
+    mode when `deterministic`)."""
+    if not isinstance(gate, nn.Module):
+        return gate
+    if not deterministic:
+        return gate()
+    training = gate.training
+    gate.eval()
+    try:
+        return gate()
+    finally:
+        gate.train(training)
 
 
 _HEAD_MASK_MESSAGE = (
@@ -450,14 +494,9 @@ def detach(model: nn.Module) -> None:
     hub = hub_of(model)
     family = hub.family
     for layer in range(hub.num_layers):
+        hub.remove_gate(layer)
         attention = hub.attention(layer)
         head_dim = family.head_dim(attention)
-        gate = getattr(attention, GATE, None)
-        if gate is not None:
-            projection = family.out_projection(model, layer)
-            scale_input_columns(projection, gate.detach().repeat_interleave(head_dim))
-            _remove_hooks(projection._forward_pre_hooks, lambda hook: isinstance(hook, _GateHook))
-            delattr(attention, GATE)
         temperature = getattr(attention, TEMPERATURE, None)
         if temperature is not None:
             query = attention.get_submodule(family.query or family.fused_qkv)

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from attnreg.hub import AttentionHub, AttentionRecord, attach
+from attnreg.pruning import add_pruning_to_checkpoint, restore_pruning
 
 TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
 
@@ -105,6 +106,15 @@ class AttnRegMixin:
         self.__dict__["_attnreg_step"] = None
         self.__dict__["_attnreg_consumed"] = True
         return total if total is not None else torch.zeros((), device=self.device)
+
+    # -- checkpoints: a pruned model must get its pruned shapes back before the weights load ------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        add_pruning_to_checkpoint(self.attnreg_model, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        restore_pruning(self.attnreg_model, checkpoint)
+        super().on_load_checkpoint(checkpoint)
 
     def _capture_layers(self) -> tuple[int, ...] | None:
         layers: set[int] = set()

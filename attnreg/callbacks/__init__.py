@@ -6,6 +6,7 @@ Example:
 
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
+from attnreg.callbacks.pruning import HeadGating, HeadImportance
 from attnreg.callbacks.regularizers import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
 
 __all__ = [
@@ -13,6 +14,8 @@ __all__ = [
     "AttentionLoss",
     "EntropyRegularizer",
     "FreezeLayers",
+    "HeadGating",
+    "HeadImportance",
     "LayerwiseLR",
     "SyntaxPriorKL",
 ]
