@@ -83,18 +83,14 @@ def align_offsets(sentence: Sentence, offsets: Sequence[Sequence[int]] | np.ndar
     """Align the tokens of `sentence.text`, given by their character `offsets` `[T, 2]`, to its words."""
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     spans = np.asarray(word_spans(sentence), dtype=np.int64).reshape(-1, 2)
-    length = max(len(sentence.text), int(offsets.max(initial=0)))
-    char_word = np.full(length + 1, -1, dtype=np.int64)
-    for word, (start, end) in enumerate(spans):
-        char_word[start:end] = word
-    word_chars = np.flatnonzero(char_word >= 0)
     starts, ends = offsets[:, 0], offsets[:, 1]
-    # The first character at or after each token's start that belongs to a word; the token owns that
-    # word if the character lies inside the token (a leading space of a byte-level BPE token is skipped).
-    slot = np.minimum(np.searchsorted(word_chars, starts), len(word_chars) - 1)
-    first_char = word_chars[slot] if len(word_chars) else starts
-    owned = (ends > starts) & (first_char < ends) & (first_char >= starts)
-    token_word = np.where(owned, char_word[first_char], -1)
+    # The first word ending after each token's start holds the token's first word character (spans are
+    # in order); the token owns that word if the character lies inside the token, so a leading space of
+    # a byte-level BPE token is skipped and special tokens (empty spans) own nothing.
+    word = np.minimum(np.searchsorted(spans[:, 1], starts, side="right"), len(spans) - 1)
+    first_char = np.maximum(starts, spans[word, 0])
+    owned = (ends > starts) & (first_char < ends) & (first_char < spans[word, 1])
+    token_word = np.where(owned, word, -1)
     # A word whose tokens stop before its last character was cut by truncation: drop it whole.
     reach = np.full(len(spans), -1, dtype=np.int64)
     np.maximum.at(reach, token_word[owned], ends[owned])
