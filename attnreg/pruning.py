@@ -411,6 +411,25 @@ def fold_gates(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = (
     return removed
 
 
+def gate_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of every hub gate of `model` (plain gates, and those of gate modules such as
+    `HardConcreteGate`): for an optimizer group of their own, since gates usually need a far larger
+    learning rate than the pretrained weights. Empty without a hub.
+
+    Example:
+        >>> gates = gate_parameters(model); ids = {id(p) for p in gates}
+        >>> rest = [p for p in model.parameters() if id(p) not in ids]
+        >>> torch.optim.AdamW([{"params": rest, "lr": 5e-5}, {"params": gates, "lr": 0.05, "weight_decay": 0.0}])
+    """
+    hub = _hub_or_none(model)
+    if hub is None:
+        return []
+    found = []
+    for gate in hub.gates.values():
+        found += list(gate.parameters()) if isinstance(gate, nn.Module) else [gate]
+    return found
+
+
 def _remove_gate(hub: AttentionHub, layer: int, fold: bool) -> list[nn.Parameter]:
     gate = getattr(hub.attention(layer), GATE, None)
     if gate is None:
@@ -803,9 +822,10 @@ def iterative_pruning(
     loss_fn: LossFunction | None = None,
     apply: bool = True,
 ) -> list[PruningStep]:
-    """Michel et al. 2019's iterative pruning: per round, mask the `fraction` of all heads with the
-    lowest importance (recomputed with the masks on) until `metric_fn(model)` (higher is better)
-    falls below `stop_ratio` times its starting value. Returns the metric-versus-heads-removed curve;
+    """Michel et al. 2019's iterative pruning: per round, mask the heads with the lowest importance
+    (recomputed with the masks on), round k bringing the heads masked to `round(k * fraction * total)`
+    (at least one more per round), until `metric_fn(model)` (higher is better) falls below
+    `stop_ratio` times its starting value. Returns the metric-versus-heads-removed curve;
     with `apply`, the last step that stayed above the bar is then removed physically (heads the
     grouped-query rule keeps are silenced).
 
@@ -817,19 +837,19 @@ def iterative_pruning(
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     family = detect_family(model)
     total = sum(family.head_counts(family.attention_module(model, i))[0] for i in range(len(family.blocks(model))))
-    per_round = max(1, round(fraction * total))
     start = float(_metric_with_masks(model, metric_fn, {}))
     curve = [PruningStep(0, start, {})]
     masked: dict[int, list[int]] = {}
     best = curve[0]
-    while sum(len(heads) for heads in masked.values()) < total:
+    while (done := sum(len(heads) for heads in masked.values())) < total:
+        goal = min(total, max(done + 1, round(len(curve) * fraction * total)))
         scores = head_importance(model, dataloader, loss_fn, masked=masked)
         candidates = []
         for layer, score in scores.items():
             numbers = head_numbers(model, layer)
             candidates += [(float(s), layer, numbers[i]) for i, s in enumerate(score.tolist())]
         candidates = [c for c in sorted(candidates) if c[2] not in masked.get(c[1], [])]
-        for _, layer, head in candidates[:per_round]:
+        for _, layer, head in candidates[: goal - done]:
             masked.setdefault(layer, []).append(head)
         metric = float(_metric_with_masks(model, metric_fn, masked))
         step = PruningStep(

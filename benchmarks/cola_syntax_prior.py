@@ -59,11 +59,19 @@ def fit(module: L.LightningModule, train: DataLoader, val: DataLoader | None, ca
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=callbacks,
+        callbacks=[*callbacks, EpochReport()],
         num_sanity_val_steps=0,
     )
     trainer.fit(module, train, val)
     return trainer
+
+
+class EpochReport(L.Callback):
+    """One line per epoch on stdout (the progress bar is off)."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
+        print(f"epoch {trainer.current_epoch} step {trainer.global_step} {metrics}", flush=True)
 
 
 class KLOnly(SequenceClassifier):
@@ -90,10 +98,11 @@ def main() -> None:
     parser.add_argument("--weight", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--ewt-train", type=int, default=4000, help="EWT train sentences for the gold-tree run")
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     args.max_steps = 5 if args.quick else -1
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)  # 1 on a shared machine: oversubscribed OpenMP threads stall
     started = time.perf_counter()
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_directory())

@@ -6,9 +6,11 @@ on 2 busy CPU cores a 512-token forward of that shape takes a minute or more, so
     .venv/bin/python benchmarks/pruning_speed.py
 
 A shorter run with the same per-layer shape but 4 layers (attention and feed-forward per layer are
-unchanged, so the ratios differ only by the embedding and output-head share):
+unchanged, so the ratios differ only by the embedding and output-head share), held to about 15 minutes
+on 2 idle cores by a time budget (at 128 tokens all 7 repetitions fit; at 512 tokens, where one round
+of the four variants takes about a minute, about 5):
 
-    .venv/bin/python benchmarks/pruning_speed.py --layers 4
+    .venv/bin/python benchmarks/pruning_speed.py --layers 4 --budget-min 15
 
 Smoke run (tiny model, 3 repetitions; the figures mean nothing):
 
@@ -22,6 +24,9 @@ built: unpruned, and with 25%, 50% and 75% of the heads of every layer removed b
 count per layer). After a warm-up the variants are timed round-robin, the order rotated every
 repetition, so that load from other processes hits all alike. Speed-up = median over repetitions of
 (unpruned forward time / pruned forward time in the same repetition), i.e. the throughput ratio.
+With `--budget-min`, each configuration (in order, short sequences first) gets an equal share of the
+time left; the warm-up round tells how long a round takes, and it runs as many rounds as fit, at
+least 3 and at most `--reps`.
 """
 
 from __future__ import annotations
@@ -70,7 +75,18 @@ def build_variants(family: str, sizes: dict, nonuniform: bool, seed: int = 0) ->
     return variants
 
 
-def run_config(family: str, tokens: int, sizes: dict, batch: int, reps: int, warmup: int, nonuniform: bool) -> dict:
+def run_config(
+    family: str,
+    tokens: int,
+    sizes: dict,
+    batch: int,
+    reps: int,
+    warmup: int,
+    nonuniform: bool,
+    budget_s: float | None = None,
+) -> dict:
+    """Time the variants round-robin; with `budget_s`, as many rounds as fit (3 to `reps`), warm-up included."""
+    started = time.perf_counter()
     variants = build_variants(family, sizes, nonuniform)
     generator = torch.Generator().manual_seed(tokens)
     inputs = {"input_ids": torch.randint(3, sizes["vocab"], (batch, tokens), generator=generator)}
@@ -83,8 +99,10 @@ def run_config(family: str, tokens: int, sizes: dict, batch: int, reps: int, war
 
     names = list(variants)
     for _ in range(warmup):
-        for name in names:
-            forward(variants[name])
+        round_s = sum(forward(variants[name]) for name in names)
+    if budget_s is not None and warmup > 0:
+        left = budget_s - (time.perf_counter() - started)
+        reps = max(3, min(reps, int(left // round_s)))
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
@@ -103,7 +121,7 @@ def run_config(family: str, tokens: int, sizes: dict, batch: int, reps: int, war
         }
     del variants
     gc.collect()
-    return {"model": family, "tokens": tokens, "times_s": times, "summary": summary}
+    return {"model": family, "tokens": tokens, "reps": reps, "times_s": times, "summary": summary}
 
 
 def machine() -> dict:
@@ -116,6 +134,14 @@ def machine() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def reps_text(results: dict) -> str:
+    counts = [(config["model"], config["tokens"], config["reps"]) for config in results["configs"]]
+    if len({reps for *_, reps in counts}) == 1:
+        return str(counts[0][2])
+    budget = f" (time budget {results['budget_min']} min)" if results["budget_min"] else ""
+    return ", ".join(f"{model} {tokens}: {reps}" for model, tokens, reps in counts) + budget
 
 
 def markdown(results: dict) -> str:
@@ -132,7 +158,7 @@ def markdown(results: dict) -> str:
         "no padding",
         f"- Heads removed with `attnreg.pruning.prune_heads`, the same number in every layer (random heads; "
         f"'non-uniform' alternates 25% and 75%); "
-        f"{results['warmup']} warm-up and {results['reps']} timed forwards per variant, interleaved round-robin",
+        f"{results['warmup']} warm-up and {reps_text(results)} timed forwards per variant, interleaved round-robin",
         "- Speed-up: median over repetitions of (unpruned time / pruned time in the same repetition)",
     ]
     if results["quick"]:
@@ -169,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed forwards per variant (default 7, quick 3)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--nonuniform", action="store_true", help="also 50%% removed, unevenly across layers")
+    parser.add_argument(
+        "--budget-min", type=float, default=None, help="time budget for the whole run: fewer reps (>= 3) to fit it"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     if args.quick:
@@ -181,15 +210,20 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
         "quick": args.quick,
         "reps": reps,
+        "budget_min": args.budget_min,
         "warmup": args.warmup,
         "batch": args.batch,
         "sizes": sizes,
         "configs": [],
     }
     started = time.perf_counter()
-    for tokens in args.tokens:
-        for family in FAMILIES:
-            results["configs"].append(run_config(family, tokens, sizes, args.batch, reps, args.warmup, args.nonuniform))
+    configs = [(tokens, family) for tokens in sorted(args.tokens) for family in FAMILIES]
+    for index, (tokens, family) in enumerate(configs):
+        budget_s = None
+        if args.budget_min is not None:
+            budget_s = (60 * args.budget_min - (time.perf_counter() - started)) / (len(configs) - index)
+        config = run_config(family, tokens, sizes, args.batch, reps, args.warmup, args.nonuniform, budget_s)
+        results["configs"].append(config)
     results["wall_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pruning_speed.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -206,6 +206,7 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 sentences, 4 steps, one seed: a smoke run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
     parser.add_argument("--train", type=int, default=2000, help="training sentences (default 2000)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all epochs)")
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.train, args.max_steps, args.seeds, args.batch = 64, 4, [0], 16
 

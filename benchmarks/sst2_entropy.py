@@ -60,10 +60,12 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=4000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--weight", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--band", type=float, nargs=2, default=[0.45, 0.6])
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)  # 1 on a shared machine: oversubscribed OpenMP threads stall
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(minilm_directory())
     texts, labels = read_sst2(DATA, "train")
@@ -104,7 +106,7 @@ def main() -> None:
                 callbacks=callbacks(),
             )
             t0 = time.perf_counter()
-            trainer.fit(SequenceClassifier(model, lr=5e-5), train, dev)
+            trainer.fit(SequenceClassifier(model, lr=args.lr), train, dev)
             entropy = head_entropy(model, dev)
             low, high = args.band
             run = {

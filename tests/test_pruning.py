@@ -269,6 +269,23 @@ def test_iterative_pruning_curve_and_result():
     assert metric(model) == pytest.approx(curve[-1].metric, abs=1e-6)
 
 
+def test_iterative_pruning_rounds_follow_the_fraction_of_all_heads_without_applying():
+    model = tiny_model("bert", head="classification", initializer_range=0.3).eval()
+    batch = padded_batch(batch=6)
+    batch["labels"] = torch.tensor([0, 1, 1, 0, 1, 0])
+    before = state(model)
+
+    def metric(m):
+        with torch.no_grad():
+            return float(torch.exp(-m(**batch).loss))
+
+    curve = pruning.iterative_pruning(model, [batch], metric, fraction=0.3, stop_ratio=0.0, apply=False)
+    assert [step.heads_removed for step in curve] == [0, 2, 5, 7, 8]  # round(k * 0.3 * 8), then all
+    for earlier, later in zip(curve[:-1], curve[1:], strict=True):  # each round adds to the last
+        assert all(set(earlier.removed.get(i, ())) <= set(later.removed.get(i, ())) for i in (0, 1))
+    assert same_state(model, before) and pruned_heads(model) == {}
+
+
 def test_iterative_pruning_stops_below_the_bar_and_applies_the_last_good_step():
     model = tiny_model("bert", head="classification", initializer_range=0.3).eval()
     batch = padded_batch(batch=6)
@@ -300,6 +317,7 @@ def test_fold_gates_and_hard_concrete_gates():
     batch = padded_batch()
     gated = outputs(model, batch)
     copied = copy.deepcopy(model)
+    assert [id(p) for p in pruning.gate_parameters(model)] == [id(gate.log_alpha), id(hub.gate(1))]
     optimizer = torch.optim.Adam(model.parameters())
     dropped = pruning.fold_gates(model, optimizers=[optimizer])
     assert dropped[0] is gate.log_alpha and len(dropped) == 2

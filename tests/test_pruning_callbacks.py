@@ -12,6 +12,7 @@ import attnreg
 from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating, HeadImportance
 from attnreg.hub import GATE
+from attnreg.schedules import Constant, Warmup
 from attnreg.tiny import tiny_model
 
 # One head of a 32-wide, 8-per-head layer: query/key/value rows with bias, output-projection columns.
@@ -65,14 +66,28 @@ class Snapshot(L.Callback):
 
 
 def close_gates(model, removed):
-    """Set the gates of `removed` heads to 0 in a gated copy (hard-concrete: log-alpha to -100)."""
+    """Set the gates of `removed` heads (original numbers) to 0 in a gated copy (hard-concrete: log-alpha
+    to -100); heads already gone are skipped."""
     hub = attnreg.hub_of(model)
     for layer, heads in removed.items():
+        numbers = pruning.head_numbers(model, layer)
+        positions = [numbers.index(head) for head in heads if head in numbers]
         found = pruning.hard_concrete(hub, layer)
         tensor = found.log_alpha if found is not None else hub.gate(layer)
         with torch.no_grad():
-            tensor[heads] = -100.0 if found is not None else 0.0
+            tensor[positions] = -100.0 if found is not None else 0.0
     return model
+
+
+class AtFinalRound(L.Callback):
+    """Placed after HeadGating: keeps a copy of the pruned model right after the last removal."""
+
+    def __init__(self, gating):
+        self.gating, self.model = gating, None
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if self.gating.pruned and self.model is None:
+            self.model = copy.deepcopy(pl_module.model).eval()
 
 
 def outputs(model, batch):
@@ -84,16 +99,30 @@ def count(model):
     return sum(p.numel() for p in model.parameters())
 
 
+class Record(L.Callback):
+    """Placed after HeadGating: at every batch end, the parameter count (and with `gating`, the target)."""
+
+    def __init__(self, gating=None):
+        self.gating, self.counts, self.targets = gating, {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, *args):
+        if self.gating is not None:
+            self.targets[trainer.global_step] = self.gating.target()
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.counts[trainer.global_step] = count(pl_module.model)
+
+
 @pytest.mark.parametrize(
     ("family", "options"),
-    [("bert", dict(kind="l1", weight=0.1, keep=5)), ("gpt2", dict(kind="hard_concrete", keep=5, warmup_steps=4))],
+    [("bert", dict(kind="l1", weight=0.1, keep=5)), ("gpt2", dict(kind="hard_concrete", keep=5, target_warmup=0.5))],
 )
 def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
     model = tiny_model(family, head="classification", initializer_range=0.2)
     original = count(model)
     gating = HeadGating(**options)
-    snapshot = Snapshot(gating)
-    trainer = fit(Classifier(model), batches(8), [snapshot, gating])
+    snapshot, record = Snapshot(gating), Record(gating if options["kind"] == "hard_concrete" else None)
+    trainer = fit(Classifier(model), batches(8), [snapshot, gating, record])
     assert "attnreg/head_gating" in trainer.callback_metrics
     assert sum(map(len, gating.removed.values())) == 3 and gating.report.num_removed == 3
     assert count(model) == original - 3 * PARAMETERS_PER_HEAD
@@ -113,6 +142,8 @@ def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
     if options["kind"] == "hard_concrete":
         assert "attnreg/head_gating/expected_heads" in trainer.callback_metrics
         assert gating.lambdas.abs().sum() > 0
+        # the Lagrangian's target moves from all 8 heads to 5 over the first half of the 8 steps
+        assert record.targets == pytest.approx({step: 8 - 3 * min(1.0, step / 4) for step in range(8)})
 
 
 def test_grouped_query_heads_the_rule_keeps_are_silenced():
@@ -264,13 +295,139 @@ def test_resume_from_a_checkpoint_taken_while_gating(tmp_path):
     assert count(fresh.model) == count(tiny_model("bert", head="classification")) - 4 * PARAMETERS_PER_HEAD
 
 
-def test_prune_after_epochs_and_the_warmup_of_the_weight(tmp_path):
-    gating = HeadGating(kind="l1", weight=0.5, warmup_steps=8, keep=6, prune_after_epochs=1)
-    trainer = resume_trainer(tmp_path, 6, [gating])  # 3 batches an epoch: two epochs
+def test_prune_after_epochs_and_a_weight_schedule_of_progress(tmp_path):
+    gating = HeadGating(kind="l1", weight=Warmup(0.5, Constant(0.5)), keep=6, prune_after_epochs=1)
+    trainer = resume_trainer(tmp_path, 6, [gating])  # 3 batches an epoch: two epochs, 6 estimated steps
     trainer.fit(Classifier(tiny_model("bert", head="classification")), DataLoader(batches(3), batch_size=None))
     assert gating.pruned and gating.pruned_at_step == 3 and trainer.global_step == 6
-    # the last logged penalty (step 2): weight 0.5 ramped to 2/8, times the mean |g|, near 1 after 3 steps
-    assert float(trainer.callback_metrics["attnreg/head_gating"]) == pytest.approx(0.5 * 2 / 8, rel=0.05)
+    # the last logged penalty (step 2, progress 1/3): 0.5 ramped over half of training to 1/3, times the
+    # mean |g|, near 1 after 3 steps
+    assert float(trainer.callback_metrics["attnreg/head_gating"]) == pytest.approx(1 / 3, rel=0.05)
+
+
+def test_a_weight_given_as_a_function_of_progress():
+    gating = HeadGating(kind="l1", weight=lambda progress: 0.2 * progress, keep=8)
+
+    class Weights(L.Callback):
+        used = []
+
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            self.used.append(gating.current_weight())
+
+    fit(Classifier(tiny_model("bert", head="classification")), batches(4), [gating, Weights()])
+    assert gating.total_steps == 4 and Weights.used == pytest.approx([0.0, 0.05, 0.1, 0.15])  # steps 0-3 of 4
+    negative = HeadGating(weight=lambda progress: -1.0)
+    with pytest.raises(ValueError, match=r"HeadGating weight at progress 0: weight must be a finite number >= 0"):
+        fit(Classifier(tiny_model("bert", head="classification")), batches(1), [negative])
+
+
+def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
+    model = tiny_model("bert", head="classification", initializer_range=0.2)
+    original = count(model)
+    gating = HeadGating(kind="l1", weight=0.1, milestones=[(0.25, 6), (0.5, 4), (0.75, 3)])
+    assert gating.keep == 3
+
+    class AfterRound(L.Callback):  # placed after HeadGating: the model and optimizer right after round 2
+        model = state = None
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if len(gating.rounds) == 2 and self.state is None:
+                optimizer = trainer.optimizers[0]
+                self.state = {n: copy.deepcopy(optimizer.state[p]) for n, p in pl_module.model.named_parameters()}
+                self.model = copy.deepcopy(pl_module.model)
+
+    before_round_2, before_final = Snapshot(gating, at_step=4), Snapshot(gating, at_step=6)
+    after_round_2, at_final, record = AfterRound(), AtFinalRound(gating), Record()
+    trainer = fit(
+        Classifier(model), batches(8), [before_round_2, before_final, gating, after_round_2, at_final, record]
+    )
+    assert trainer.global_step == 8 and [r.step for r in gating.rounds] == [2, 4, 6]
+    assert [r.final for r in gating.rounds] == [False, False, True] and gating.pruned_at_step == 6
+    # the model shrinks at each milestone and keeps training at its new size (with one gate per head
+    # until the last round folds them)
+    kept_after = {1: 8, 2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 3}
+    assert record.counts == {
+        step: original - (8 - kept) * PARAMETERS_PER_HEAD + (kept if step < 6 else 0)
+        for step, kept in kept_after.items()
+    }
+    assert [sum(heads for heads, _ in r.report.heads.values()) for r in gating.rounds] == [6, 4, 3]
+    assert sum(map(len, gating.removed.values())) == 5 and count(model) == original - 5 * PARAMETERS_PER_HEAD
+    assert attnreg.hub_of(model).gates == {} and not any(GATE in name for name in model.state_dict())
+    assert "head_gating" not in trainer.lightning_module.attnreg_terms
+    # round 2 removed the 2 lowest |g| of the 6 heads left, and sliced (did not reset) the Adam moments
+    # of the kept heads, the gates' included: gates go on training between milestones
+    hub = attnreg.hub_of(before_round_2.model)
+    scores = {layer: gate.detach().abs() for layer, gate in hub.gates.items()}
+    chosen = pruning.to_original_numbers(before_round_2.model, pruning.select_heads(scores, keep=4))
+    assert gating.rounds[1].chosen == {layer: heads for layer, heads in chosen.items() if heads}
+    for layer in (0, 1):
+        numbers = pruning.head_numbers(before_round_2.model, layer)
+        kept = [i for i, head in enumerate(numbers) if head not in gating.rounds[1].chosen.get(layer, [])]
+        rows = (torch.tensor(kept, dtype=torch.long)[:, None] * 8 + torch.arange(8)).reshape(-1)
+        query = f"bert.encoder.layer.{layer}.attention.self.query.weight"
+        output = f"bert.encoder.layer.{layer}.attention.output.dense.weight"
+        gate = f"bert.encoder.layer.{layer}.attention.self.{GATE}"
+        if not kept:
+            assert gate not in after_round_2.state  # a layer left without heads loses its gate
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(after_round_2.state[query][key], before_round_2.optimizer_state[query][key][rows])
+            assert torch.equal(after_round_2.state[output][key], before_round_2.optimizer_state[output][key][:, rows])
+            assert torch.equal(after_round_2.state[gate][key], before_round_2.optimizer_state[gate][key][kept])
+        assert torch.equal(attnreg.hub_of(after_round_2.model).gates[layer], hub.gates[layer][kept])
+    # the last round folds the gates: the pruned model equals the gated one with the chosen gates at 0
+    batch = batches(1, seed=50)[0]
+    expected = outputs(close_gates(before_final.model, gating.rounds[2].chosen), batch)
+    assert (outputs(at_final.model, batch) - expected).abs().max() <= 1e-5
+
+
+def test_progressive_grouped_query_rounds_choose_silenced_heads_again():
+    model = tiny_model("llama", head="classification", initializer_range=0.2)
+    gating = HeadGating(kind="l1", weight=0.1, milestones=[(0.25, 5), (0.75, 3)])
+    snapshot, at_final = Snapshot(gating, at_step=3), AtFinalRound(gating)
+    with pytest.warns(UserWarning, match="kept requested heads"):
+        fit(Classifier(model), batches(4), [snapshot, gating, at_final])
+    first, last = gating.rounds
+    assert sum(map(len, first.chosen.values())) == 3  # 8 heads down to 5
+    silenced = {layer: heads for layer, heads in first.report.kept.items() if heads}
+    assert silenced  # 3 of 4 groups of 2 heads chosen: one group keeps a head, and the other is silenced
+    for layer, heads in silenced.items():  # chosen again in the last round, whatever their gates learned
+        assert set(heads) <= set(last.chosen[layer])
+    assert sum(map(len, gating.removed.values())) == 5  # 3 heads left doing anything
+    removed_query = sum(len(heads) for heads in pruning.pruned_heads(model).values())
+    assert removed_query % 2 == 0 and 8 - removed_query >= 3
+    batch = batches(1, seed=50)[0]
+    expected = outputs(close_gates(snapshot.model, gating.removed), batch)
+    assert (outputs(at_final.model, batch) - expected).abs().max() <= 1e-5
+
+
+def test_resume_between_milestones(tmp_path):
+    options = dict(kind="hard_concrete", milestones=[(0.25, 6), (0.75, 4)])
+    every_four = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    gating = HeadGating(**options)
+    trainer = L.Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[gating, every_four],
+    )
+    module = Classifier(tiny_model("bert", head="classification"))
+    trainer.fit(module, DataLoader(batches(8), batch_size=None))
+    checkpoint = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)  # after round 1 of 2
+    assert checkpoint[pruning.PRUNED_HEADS] == {str(k): v for k, v in gating.rounds[0].chosen.items()}
+    resumed_gating = HeadGating(**options)
+    fresh = Classifier(tiny_model("bert", head="classification", seed=3))
+    resumed = resume_trainer(tmp_path, 8, [resumed_gating])
+    resumed.fit(fresh, DataLoader(batches(8), batch_size=None), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
+    assert [r.step for r in resumed_gating.rounds] == [6] and resumed_gating.pruned
+    assert sum(map(len, resumed_gating.removed.values())) == 4
+    assert (
+        count(fresh.model)
+        == count(module.model)
+        == count(tiny_model("bert", head="classification")) - 4 * (PARAMETERS_PER_HEAD)
+    )
 
 
 def test_bad_settings_are_refused():
@@ -278,9 +435,24 @@ def test_bad_settings_are_refused():
         HeadGating(kind="l2")
     with pytest.raises(ValueError, match="stretch"):
         HeadGating(kind="hard_concrete", stretch=(0.1, 1.1))
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0"):
+        HeadGating(weight=-0.1)
+    with pytest.raises(ValueError, match="target_warmup must be a fraction"):
+        HeadGating(kind="hard_concrete", keep=3, target_warmup=1.0)
+    with pytest.raises(ValueError, match=r"rise in progress and fall in heads kept; \(0.4, 6\) follows \(0.5, 7\)"):
+        HeadGating(milestones=[(0.5, 7), (0.4, 6)])
+    with pytest.raises(ValueError, match=r"progress must be in \(0, 1\]"):
+        HeadGating(milestones=[(0.0, 7)])
+    with pytest.raises(ValueError, match="keep=4 disagrees with the last milestone's 3 heads"):
+        HeadGating(milestones=[(0.5, 3)], keep=4)
+    with pytest.raises(ValueError, match="not both"):
+        HeadGating(milestones=[(0.5, 3)], prune_after_steps=2)
     model = tiny_model("bert", head="classification")
     with pytest.raises(ValueError, match=r"keep=9 heads, but the gated layers \[0, 1\] have only 8"):
         fit(Classifier(model), batches(1), [HeadGating(keep=9)])
+    assert count(model) == count(tiny_model("bert", head="classification"))
+    with pytest.raises(ValueError, match=r"the first milestone keeps 9 heads, but the gated layers \[0, 1\]"):
+        fit(Classifier(model), batches(1), [HeadGating(milestones=[(0.5, 9), (0.7, 2)])])
     assert count(model) == count(tiny_model("bert", head="classification"))
 
 

@@ -1,20 +1,24 @@
 """Soft head pruning in Lightning: gates with an L1 or hard-concrete L0 penalty, then physical removal.
 
 `HeadGating` trains per-head gates (the hub's), adds their penalty to the loss through the mixin,
-and at a chosen point removes the heads whose gates closed (or all but the `keep` best), folding
-the remaining gates into the output projections: the smaller model carries no gates and computes
-what the gated model computed with the removed gates at 0. `HeadImportance` scores heads after
-training (Michel et al. 2019) and can prune iteratively. The work is done by `attnreg.pruning`.
+and at a chosen point, or progressively at milestones, removes the heads whose gates closed (or all
+but the `keep` best), folding the remaining gates into the output projections: the smaller model
+carries no gates and computes what the gated model computed with the removed gates at 0.
+`HeadImportance` scores heads after training (Michel et al. 2019) and can prune iteratively. The work
+is done by `attnreg.pruning`.
 
 Example:
-    >>> trainer = lightning.Trainer(callbacks=[attnreg.HeadGating(weight=0.01, warmup_steps=100)])
+    >>> from attnreg.schedules import Constant, Warmup
+    >>> trainer = lightning.Trainer(callbacks=[attnreg.HeadGating(weight=Warmup(0.1, Constant(0.01)))])
     >>> trainer = lightning.Trainer(callbacks=[attnreg.HeadGating(kind="hard_concrete", keep=36)])
+    >>> trainer = lightning.Trainer(callbacks=[attnreg.HeadGating(milestones=[(0.3, 60), (0.6, 48), (0.8, 36)])])
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning as L
@@ -23,9 +27,22 @@ import torch
 from attnreg import pruning
 from attnreg.hub import AttentionHub, AttentionRecord
 from attnreg.mixin import AttnRegMixin, require_mixin
+from attnreg.schedules import ScheduleLike, as_schedule, step_progress
 
 GateKind = Literal["l1", "hard_concrete"]
-Weight = float | Callable[[int], float]
+Milestones = Sequence[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class PruningRound:
+    """One removal done by `HeadGating`: at optimizer step `step`, the heads chosen (original numbers per
+    layer; heads silenced in an earlier round under the grouped-query rule are chosen again) and what
+    `attnreg.pruning.prune_heads` did (`report.heads`: heads per layer afterwards)."""
+
+    step: int
+    chosen: dict[int, list[int]]
+    report: pruning.PruneReport
+    final: bool
 
 
 class HeadGating(L.Callback):
@@ -37,39 +54,53 @@ class HeadGating(L.Callback):
       `stretch`, temperature `temperature`, log-alpha starting at `initial_log_alpha`; penalty
       `weight * expected L0`. With `keep`, the penalty is instead CoFi's Lagrangian
       `l1 * (s - t) + l2 * (s - t)^2` on the expected number of kept heads `s` against a target `t`
-      moving from all heads to `keep` over the warmup, with `l1, l2` raised by gradient ascent
-      (step `lagrangian_lr`). A head goes when its deterministic gate is below `threshold`.
+      (both divided by the number of gated heads) moving linearly from all heads to `keep` over the
+      first `target_warmup` of training, with `l1, l2` raised by gradient ascent (step
+      `lagrangian_lr`); `weight` is not used then. A head goes when its deterministic gate is below
+      `threshold`.
     - `keep`: keep exactly the `keep` heads with the largest gates (|g|, or deterministic L0 gate)
       instead of thresholding.
 
-    `weight` is a number or a function of the global step; it is ramped linearly from 0 over
-    `warmup_steps`. Heads are removed after `prune_after_steps` optimizer steps or
-    `prune_after_epochs` epochs, or at the end of fit, whichever comes first. Pruning during
-    training slices the optimizer's state (Adam moments of the kept heads carry on) and drops the
-    folded gates from it; LR schedulers are untouched. The decision is broadcast from rank 0. In
-    grouped-query layers a chosen head whose key/value group keeps other heads stays, silenced (its
-    output-projection columns zeroed); `report.kept` lists those.
-    Gates are created in `setup`, before `configure_optimizers`. Resuming from a checkpoint taken
-    after pruning needs `attnreg.pruning.restore_pruning(model, checkpoint)` in the module's
-    `on_load_checkpoint` (Lightning runs a callback's `on_load_checkpoint` only after the weights).
+    `weight` is a number or a schedule of training progress in [0, 1] (`attnreg.schedules`, e.g.
+    `Warmup(0.1, Constant(0.01))`; progress = global step / the trainer's estimated steps, as for
+    every attnreg weight). Gates are created in `setup`, before `configure_optimizers`, so the module
+    can give them their own learning rate (`attnreg.pruning.gate_parameters`).
+
+    When heads go: at the end of fit by default; after `prune_after_steps` optimizer steps or
+    `prune_after_epochs` epochs, whichever comes first; or progressively with `milestones`, a list
+    of `(progress, heads to keep)` with progress in (0, 1] rising and the counts falling, e.g.
+    `[(0.3, 60), (0.5, 50), (0.7, 43)]`. Each milestone removes the lowest-scoring heads down to its
+    count; the gates of the others stay and go on training (their Adam moments sliced, not reset),
+    and the last milestone (or the end of fit, if training stops first) folds them. `keep` is then the
+    last count. Every removal slices the optimizer's state (Adam moments of the kept heads carry on)
+    and drops folded gates from it; LR schedulers are untouched. The choice is broadcast from rank 0
+    and the step that triggers it is the same on every rank, so all ranks prune alike; removal
+    during training under DDP is refused (its gradient buckets keep the old shapes), so with several
+    processes prune at the end of fit. In grouped-query layers a chosen head whose key/value group
+    keeps other heads stays, silenced (its output-projection columns zeroed); `report.kept` lists
+    those, and later rounds choose them again. Resuming from a checkpoint taken after a removal
+    needs `attnreg.pruning.restore_pruning(model, checkpoint)` in the module's `on_load_checkpoint`
+    (the mixin does it; Lightning runs a callback's `on_load_checkpoint` only after the weights).
 
     Example:
-        >>> gating = attnreg.HeadGating(weight=0.02, warmup_steps=200, prune_after_steps=2000)
+        >>> gating = attnreg.HeadGating(weight=Warmup(0.1, Constant(0.02)), prune_after_steps=2000)
+        >>> gating = attnreg.HeadGating(kind="hard_concrete", milestones=[(0.3, 60), (0.5, 50), (0.7, 43)])
         >>> trainer = lightning.Trainer(callbacks=[gating]); trainer.fit(module, loader)
-        >>> gating.removed   # {layer: original numbers of the heads chosen}; gating.report: what was cut
+        >>> gating.removed   # {layer: original numbers of the heads chosen}; gating.rounds: each removal
     """
 
     def __init__(
         self,
         kind: GateKind = "l1",
-        weight: Weight = 0.01,
+        weight: ScheduleLike = 0.01,
         layers: int | Iterable[int] | None = None,
         normalize: bool = True,
-        warmup_steps: int = 0,
         threshold: float = 0.1,
         keep: int | None = None,
+        milestones: Milestones | None = None,
         prune_after_steps: int | None = None,
         prune_after_epochs: int | None = None,
+        target_warmup: float = 0.0,
         temperature: float = 2.0 / 3.0,
         stretch: tuple[float, float] = (-0.1, 1.1),
         initial_log_alpha: float = 2.0,
@@ -78,35 +109,40 @@ class HeadGating(L.Callback):
     ) -> None:
         if kind not in ("l1", "hard_concrete"):
             raise ValueError(f"HeadGating: kind must be 'l1' or 'hard_concrete', got {kind!r}")
-        if not callable(weight) and (not math.isfinite(weight) or weight < 0):
-            raise ValueError(f"HeadGating: weight must be a finite number >= 0 or a function of the step, got {weight}")
+        self.schedule = as_schedule(_check_weight(weight, "HeadGating") if not callable(weight) else weight, "weight")
         for argument, value in (
-            ("warmup_steps", warmup_steps),
             ("prune_after_steps", prune_after_steps),
             ("prune_after_epochs", prune_after_epochs),
             ("keep", keep),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"HeadGating: {argument} must be an integer >= 0, got {value!r}")
+        if not 0.0 <= target_warmup < 1.0:
+            raise ValueError(f"HeadGating: target_warmup must be a fraction of training in [0, 1), got {target_warmup}")
         pruning.HardConcreteGate(0, temperature=temperature, stretch=stretch)  # validates both now
+        self.milestones = _check_milestones(milestones, keep, prune_after_steps, prune_after_epochs)
         self.kind = kind
         self.weight = weight
         self.layers_argument = layers
         self.normalize = normalize
-        self.warmup_steps = warmup_steps
         self.threshold = threshold
-        self.keep = keep
+        self.keep = self.milestones[-1][1] if self.milestones else keep
         self.prune_after_steps = prune_after_steps
         self.prune_after_epochs = prune_after_epochs
+        self.target_warmup = target_warmup
         self.temperature, self.stretch, self.initial_log_alpha = temperature, tuple(stretch), initial_log_alpha
         self.lagrangian_lr = lagrangian_lr
         self.name = name
         self.lambdas = torch.zeros(2)
         self.pruned = False
+        self.milestones_done = 0
         self.removed: dict[int, list[int]] = {}
+        self.rounds: list[PruningRound] = []
         self.report: pruning.PruneReport | None = None
         self.pruned_at_step: int | None = None
         self.layers: tuple[int, ...] = ()
+        self.gated_heads = 0
+        self.total_steps = 1
         self.module: AttnRegMixin | None = None
 
     # -- setup ----------------------------------------------------------------------------------
@@ -118,15 +154,16 @@ class HeadGating(L.Callback):
         hub = module.attnreg_hub
         layers = hub.resolve_layers(self.layers_argument, "layers")
         self.layers = tuple(layer for layer in layers if hub.layers[layer].num_heads > 0)
-        total = self.total_heads(hub)
-        if self.keep is not None and self.keep > total:
+        self.gated_heads = sum(hub.layers[layer].num_heads for layer in self.layers)
+        most, what = (self.milestones[0][1], "the first milestone keeps ") if self.milestones else (self.keep, "keep=")
+        if most is not None and most > self.gated_heads:
             raise ValueError(
-                f"HeadGating: keep={self.keep} heads, but the gated layers {list(self.layers)} have only {total}"
+                f"HeadGating: {what}{most} heads, but the gated layers {list(self.layers)} have only {self.gated_heads}"
             )
-        if (self.prune_after_steps is not None or self.prune_after_epochs is not None) and trainer.world_size > 1:
+        if self._prunes_during_training() and trainer.world_size > 1:
             raise NotImplementedError(
                 "HeadGating: pruning during training changes parameter shapes, which DDP cannot follow; "
-                "prune at the end of fit (leave prune_after_steps and prune_after_epochs unset)"
+                "prune at the end of fit (leave prune_after_steps, prune_after_epochs and milestones unset)"
             )
         if self.pruned:
             return
@@ -138,7 +175,23 @@ class HeadGating(L.Callback):
         module.remove_attnreg_term(self.name)
         module.add_attnreg_term(self.name, self._penalty, layers=())
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        estimate = trainer.estimated_stepping_batches
+        finite = math.isfinite(estimate) and estimate >= 1
+        if self.milestones and not finite:
+            raise ValueError(
+                "HeadGating: milestones are fractions of training, which needs a known number of steps "
+                "(set max_steps or max_epochs)"
+            )
+        self.total_steps = int(estimate) if finite else 1
+        hub = require_mixin(pl_module, self).attnreg_hub
+        self.layers = tuple(layer for layer in self.layers if hub.layers[layer].num_heads > 0)  # after a resume
+
+    def _prunes_during_training(self) -> bool:
+        return bool(self.milestones) or self.prune_after_steps is not None or self.prune_after_epochs is not None
+
     def total_heads(self, hub: AttentionHub) -> int:
+        """Heads the gated layers have now."""
         return sum(hub.layers[layer].num_heads for layer in self.layers)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -146,17 +199,20 @@ class HeadGating(L.Callback):
             pl_module.remove_attnreg_term(self.name)
 
     # -- the penalty ------------------------------------------------------------------------------
-    def current_weight(self) -> float:
-        step = self._step()
-        weight = self.weight(step) if callable(self.weight) else self.weight
-        return weight * self._warmup(step)
-
-    def _step(self) -> int:
+    def progress(self) -> float:
+        """The fraction of training done: global step / the trainer's estimated steps (at most 1)."""
         module = self.module
-        return module.global_step if module is not None and module._trainer is not None else 0
+        step = module.global_step if module is not None and module._trainer is not None else 0
+        return step_progress(min(step, self.total_steps), self.total_steps)
 
-    def _warmup(self, step: int) -> float:
-        return 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
+    def current_weight(self) -> float:
+        """The penalty's weight at the module's current global step."""
+        return _check_weight(self.schedule(self.progress()), f"HeadGating weight at progress {self.progress():.4g}")
+
+    def target(self) -> float:
+        """The Lagrangian's target number of heads now (hard-concrete gates with `keep`)."""
+        ramp = 1.0 if self.target_warmup == 0 else min(1.0, self.progress() / self.target_warmup)
+        return self.gated_heads - (self.gated_heads - self.keep) * ramp
 
     def _penalty(self, probs: AttentionRecord, batch: Any) -> torch.Tensor:
         hub = self.module.attnreg_hub
@@ -167,9 +223,7 @@ class HeadGating(L.Callback):
         expected = torch.cat([gate.expected_l0() for gate in self._hard_concrete(hub)])
         if self.keep is None:
             return self.current_weight() * expected.sum() / (expected.numel() if self.normalize else 1)
-        total = expected.numel()
-        target = total - (total - self.keep) * self._warmup(self._step())
-        gap = (expected.sum() - target) / total
+        gap = (expected.sum() - self.target()) / self.gated_heads
         lambdas = self.lambdas.to(gap.device)
         term = lambdas[0] * gap + lambdas[1] * gap**2
         # dual ascent: the multipliers grow while the constraint is violated
@@ -188,7 +242,16 @@ class HeadGating(L.Callback):
 
     # -- when to prune ----------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.prune_after_steps is not None and not self.pruned and trainer.global_step >= self.prune_after_steps:
+        if self.pruned:
+            return
+        if self.milestones:
+            progress = step_progress(min(trainer.global_step, self.total_steps), self.total_steps)
+            due = [i for i, (at, _) in enumerate(self.milestones) if i >= self.milestones_done and progress >= at]
+            if due:
+                self.milestones_done = due[-1] + 1
+                final = self.milestones_done == len(self.milestones)
+                self.prune(trainer, pl_module, keep=self.milestones[due[-1]][1], final=final)
+        elif self.prune_after_steps is not None and trainer.global_step >= self.prune_after_steps:
             self.prune(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -208,26 +271,43 @@ class HeadGating(L.Callback):
         hub = self.module.attnreg_hub
         with torch.no_grad():
             if self.kind == "l1":
-                return {layer: self._gate(hub, layer).detach().abs().cpu() for layer in self.layers}
+                return {layer: self._gate(hub, layer).detach().abs().float().cpu() for layer in self.layers}
             return {
-                layer: gate.deterministic().detach().cpu()
+                layer: gate.deterministic().detach().float().cpu()
                 for layer, gate in zip(self.layers, self._hard_concrete(hub), strict=True)
             }
 
-    def prune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> pruning.PruneReport:
-        """Select heads, fold every gate, silence and physically remove the selected heads."""
+    def prune(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, keep: int | None = None, final: bool = True
+    ) -> pruning.PruneReport:
+        """Choose heads (all but the `keep` best, default `self.keep`, else below `threshold`), silence
+        and physically remove them; with `final`, fold every gate first and stop the penalty."""
         module = require_mixin(pl_module, self)
         model = module.attnreg_model
-        keep, threshold = self.keep, None if self.keep is not None else self.threshold
-        positions = pruning.select_heads(self.scores(), threshold=threshold, keep=keep)
+        keep = self.keep if keep is None else keep
+        scores = self.scores()
+        for layer, heads in self.removed.items():  # chosen before but kept by the grouped-query rule
+            if layer in scores:
+                numbers = pruning.head_numbers(model, layer)
+                silenced = [numbers.index(head) for head in heads if head in numbers]
+                scores[layer][silenced] = -math.inf
+        threshold = self.threshold if keep is None else None
+        positions = pruning.select_heads(scores, threshold=threshold, keep=keep)
         positions = trainer.strategy.broadcast(positions, src=0)
-        removed = {layer: heads for layer, heads in pruning.to_original_numbers(model, positions).items() if heads}
+        chosen = {layer: heads for layer, heads in pruning.to_original_numbers(model, positions).items() if heads}
         optimizers = list(trainer.optimizers)
-        pruning.fold_gates(model, optimizers)
-        pruning.silence_heads(model, removed)  # also those the grouped-query rule keeps
-        self.report = pruning.prune_heads(model, removed, optimizers)
-        module.remove_attnreg_term(self.name)
-        self.removed, self.pruned, self.pruned_at_step = removed, True, trainer.global_step
+        if final:
+            pruning.fold_gates(model, optimizers)
+        pruning.silence_heads(model, chosen)  # also those the grouped-query rule keeps
+        self.report = pruning.prune_heads(model, chosen, optimizers)
+        for layer, heads in chosen.items():
+            self.removed[layer] = sorted({*self.removed.get(layer, ()), *heads})
+        hub = module.attnreg_hub
+        self.layers = tuple(layer for layer in self.layers if hub.layers[layer].num_heads > 0)
+        self.rounds.append(PruningRound(trainer.global_step, chosen, self.report, final))
+        if final:
+            module.remove_attnreg_term(self.name)
+            self.pruned, self.pruned_at_step = True, trainer.global_step
         return self.report
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -238,14 +318,57 @@ class HeadGating(L.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         removed = {str(layer): heads for layer, heads in self.removed.items()}
-        return {"pruned": self.pruned, "removed": removed, "lambdas": self.lambdas.tolist()}
+        return {
+            "pruned": self.pruned,
+            "removed": removed,
+            "lambdas": self.lambdas.tolist(),
+            "milestones_done": self.milestones_done,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pruned = bool(state_dict["pruned"])
         self.removed = {int(layer): list(heads) for layer, heads in state_dict["removed"].items()}
         self.lambdas = torch.tensor(state_dict["lambdas"])
+        self.milestones_done = int(state_dict.get("milestones_done", 0))
         if self.pruned and self.module is not None:
             self.module.remove_attnreg_term(self.name)
+
+
+def _check_weight(weight: Any, what: str) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"{what}: weight must be a finite number >= 0 or a schedule of progress, got {weight!r}")
+    return float(weight)
+
+
+def _check_milestones(
+    milestones: Milestones | None, keep: int | None, after_steps: int | None, after_epochs: int | None
+) -> tuple[tuple[float, int], ...]:
+    if milestones is None:
+        return ()
+    if after_steps is not None or after_epochs is not None:
+        raise ValueError("HeadGating: give milestones or prune_after_steps / prune_after_epochs, not both")
+    checked: list[tuple[float, int]] = []
+    for item in milestones:
+        try:
+            at, count = item
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"HeadGating: each milestone is (progress, heads to keep), e.g. (0.5, 36); got {item!r}"
+            ) from None
+        if isinstance(at, bool) or not isinstance(at, int | float) or not 0.0 < at <= 1.0:
+            raise ValueError(f"HeadGating: a milestone's progress must be in (0, 1], got {at!r} in {item!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"HeadGating: a milestone's head count must be an integer >= 0, got {count!r}")
+        if checked and (at <= checked[-1][0] or count >= checked[-1][1]):
+            raise ValueError(
+                f"HeadGating: milestones must rise in progress and fall in heads kept; {item!r} follows {checked[-1]!r}"
+            )
+        checked.append((float(at), count))
+    if not checked:
+        raise ValueError("HeadGating: milestones is empty (leave it None to prune once)")
+    if keep is not None and keep != checked[-1][1]:
+        raise ValueError(f"HeadGating: keep={keep} disagrees with the last milestone's {checked[-1][1]} heads")
+    return tuple(checked)
 
 
 class HeadImportance(L.Callback):
