@@ -12,6 +12,7 @@ from attnreg import analysis, pruning, schedules, syntax
 from attnreg.callbacks import (
     AttentionDropoutSchedule,
     AttentionLoss,
+    AttentionMonitor,
     EntropyRegularizer,
     FreezeLayers,
     HeadGating,
@@ -28,6 +29,7 @@ __all__ = [
     "AttentionDropoutSchedule",
     "AttentionHub",
     "AttentionLoss",
+    "AttentionMonitor",
     "AttentionRecord",
     "AttentionTerm",
     "AttnRegMixin",

@@ -5,6 +5,7 @@ Example:
 """
 
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
+from attnreg.callbacks.monitor import AttentionMonitor, EntropyCollapseWarning
 from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
 from attnreg.callbacks.pruning import HeadGating, HeadImportance
 from attnreg.callbacks.regularizers import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
@@ -12,6 +13,8 @@ from attnreg.callbacks.regularizers import AttentionLoss, EntropyRegularizer, Sy
 __all__ = [
     "AttentionDropoutSchedule",
     "AttentionLoss",
+    "AttentionMonitor",
+    "EntropyCollapseWarning",
     "EntropyRegularizer",
     "FreezeLayers",
     "HeadGating",

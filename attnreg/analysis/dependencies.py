@@ -1,0 +1,312 @@
+"""Syntactic accuracy of attention heads on gold dependency trees (Clark et al. 2019, section 4).
+
+Word-level attention: attention *to* a word is the sum over its pieces, attention *from* a word the
+mean over its pieces; special tokens are left out. As in Clark et al.'s code, a word's attention to
+itself is ignored. A head predicts each word's parent in two directions:
+
+- `dependent_to_head`: the word the dependent attends to most;
+- `head_to_dependent`: the word that attends most to the dependent (Clark et al.'s transposed maps).
+
+A prediction is right when it is the gold head. Root words are not scored (Clark et al. count them as
+misses), nor words cut by truncation or sharing a token, nor words whose head is such a word. The
+fixed-offset baselines predict the word k positions away (k = +1: right-branching) for the same words.
+Everything is vectorized per batch: no attention map outlives its batch.
+
+Example:
+    >>> result = parent_accuracy(model, tokenizer, read_conllu("en_ewt-ud-dev.conllu"))
+    >>> result.best_head()                        # (layer, head, accuracy), dependent to head
+    >>> result.best_head("det", "head_to_dependent")
+    >>> result.baseline(1)                        # right-branching
+    >>> result.relation_table(min_words=100)      # Clark et al.'s Table 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from attnreg.syntax.align import Alignment
+from attnreg.syntax.trees import Sentence
+
+Direction = Literal["dependent_to_head", "head_to_dependent"]
+DIRECTIONS: tuple[Direction, ...] = ("dependent_to_head", "head_to_dependent")
+
+
+def word_attention(probs: torch.Tensor, alignment: Alignment) -> torch.Tensor:
+    """Token attention `[..., T, S]` (one sentence, S >= the aligned tokens) to word attention `[..., n, n]`.
+
+    Example:
+        >>> word_attention(probs[0], align_offsets(sentence, offsets))   # [H, words, words]
+    """
+    token_word = torch.as_tensor(alignment.token_word, device=probs.device)
+    membership = _membership(token_word, alignment.num_words, probs.dtype)
+    tokens = token_word.shape[0]
+    maps = probs[..., :tokens, :tokens]
+    words = batch_word_attention(maps.reshape(1, -1, tokens, tokens), membership[None])
+    return words.reshape(*maps.shape[:-2], alignment.num_words, alignment.num_words)
+
+
+def batch_word_attention(probs: torch.Tensor, membership: torch.Tensor) -> torch.Tensor:
+    """Word attention `[B, H, W, W]` from token attention `[B, H, T, T]` and `membership` `[B, T, W]`
+    (1 where token t is a piece of word w): to a word, the sum over its pieces; from a word, the mean."""
+    batch, heads, tokens, _ = probs.shape
+    width = membership.shape[-1]
+    to_words = torch.bmm(probs.reshape(batch, heads * tokens, tokens), membership)  # sum over key pieces
+    mean_pieces = membership / membership.sum(1, keepdim=True).clamp_min(1)
+    by_key = to_words.reshape(batch, heads, tokens, width).transpose(-1, -2).reshape(batch, heads * width, tokens)
+    return torch.bmm(by_key, mean_pieces).reshape(batch, heads, width, width).transpose(-1, -2)
+
+
+def _membership(token_word: torch.Tensor, words: int, dtype: torch.dtype) -> torch.Tensor:
+    kept = token_word >= 0
+    membership = torch.zeros(token_word.shape[0], words, dtype=dtype, device=token_word.device)
+    membership[kept.nonzero().squeeze(-1), token_word[kept]] = 1.0
+    return membership
+
+
+def predicted_heads(words: torch.Tensor, valid: torch.Tensor, direction: Direction) -> torch.Tensor:
+    """Each word's predicted head `[B, H, W]` from word attention `[B, H, W, W]`.
+
+    `valid` `[B, W]` marks words with tokens; other words and the word itself are never predicted.
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    masked = _block_for_argmax(words.clone(), valid)
+    return masked.argmax(-1 if direction == "dependent_to_head" else -2)
+
+
+def _block_for_argmax(words: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Set, in place, the diagonal and the rows and columns of words without tokens to -inf.
+
+    One mask serves both directions: a blocked row only holds the prediction of a word that is never
+    scored (dependent to head), a blocked column only that of such a word as dependent (head to dependent).
+    """
+    width = words.shape[-1]
+    invalid = ~valid[:, None, :]
+    blocked = torch.eye(width, dtype=torch.bool, device=words.device) | invalid | invalid.transpose(-1, -2)
+    return words.masked_fill_(blocked[:, None], -torch.inf)
+
+
+@dataclass(frozen=True)
+class SyntaxTargets:
+    """The gold trees of one batch, aligned to its tokens.
+
+    `membership` `[B, T, W]`: 1 where token t is a piece of word w; `gold` `[B, W]`: each scored word's
+    head (0-based word index), -1 for words not scored (root, dropped, padding); `relation_ids` `[B, W]`:
+    index into `relations`, -1 where not scored.
+    """
+
+    membership: torch.Tensor
+    gold: torch.Tensor
+    relation_ids: torch.Tensor
+    relations: tuple[str, ...]
+
+    @classmethod
+    def build(cls, sentences: Sequence[Sentence], alignments: Sequence[Alignment], tokens: int) -> SyntaxTargets:
+        """Targets for `sentences` whose tokens (padded to `tokens`) are aligned by `alignments`."""
+        width = max((len(sentence.words) for sentence in sentences), default=0)
+        membership = np.zeros((len(sentences), tokens, width), dtype=np.float32)
+        gold = np.full((len(sentences), width), -1, dtype=np.int64)
+        relation_ids = np.full((len(sentences), width), -1, dtype=np.int64)
+        vocabulary: dict[str, int] = {}
+        for row, (sentence, alignment) in enumerate(zip(sentences, alignments, strict=True)):
+            token_word = alignment.token_word
+            pieces = np.flatnonzero(token_word >= 0)
+            membership[row, pieces, token_word[pieces]] = 1.0
+            heads = np.asarray(sentence.heads)
+            kept = alignment.pieces > 0
+            scored = (heads > 0) & kept & kept[np.maximum(heads - 1, 0)]
+            gold[row, : len(heads)] = np.where(scored, heads - 1, -1)
+            codes = [vocabulary.setdefault(relation, len(vocabulary)) for relation in sentence.relations]
+            relation_ids[row, : len(heads)] = np.where(scored, codes, -1)
+        return cls(
+            torch.from_numpy(membership), torch.from_numpy(gold), torch.from_numpy(relation_ids), tuple(vocabulary)
+        )
+
+    @property
+    def scored(self) -> torch.Tensor:
+        return self.gold >= 0
+
+
+@dataclass
+class ParentAccuracy:
+    """Parent-accuracy counts per head in both directions, with the fixed-offset baselines on the same words.
+
+    `hits[l, h]` counts words whose head (dependent to head) attends most to their gold head, and
+    `reverse_hits` the same head to dependent; `words` is the number of scored words; `offset_hits[k]`
+    the words whose head is k positions away (k = +1: right-branching). Per relation: `by_relation[rel]`
+    holds `(hits [L, H], words)` (dependent to head), `reverse_by_relation[rel]` the head-to-dependent
+    hits, `relation_offset_hits[rel][k]` the baselines. Pruned heads (`present` False) read NaN.
+    """
+
+    hits: torch.Tensor
+    words: int = 0
+    offset_hits: dict[int, int] = field(default_factory=dict)
+    by_relation: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    reverse_hits: torch.Tensor | None = None
+    reverse_by_relation: dict[str, torch.Tensor] = field(default_factory=dict)
+    relation_offset_hits: dict[str, dict[int, int]] = field(default_factory=dict)
+    max_offset: int = 5
+    present: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.reverse_hits is None:
+            self.reverse_hits = torch.zeros_like(self.hits)
+        if self.present is None:
+            self.present = torch.zeros(self.hits.shape, dtype=torch.bool)
+
+    @classmethod
+    def empty(cls, layers: int, heads: int, max_offset: int = 5) -> ParentAccuracy:
+        return cls(hits=torch.zeros(layers, heads, dtype=torch.float64), max_offset=max_offset)
+
+    # -- reading -----------------------------------------------------------------------------------
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """Parent accuracy, dependent to head, `[layers, heads]` in [0, 1]."""
+        return self.relation_accuracy(None, "dependent_to_head")
+
+    @property
+    def reverse_accuracy(self) -> torch.Tensor:
+        """Parent accuracy, head to dependent, `[layers, heads]` in [0, 1]."""
+        return self.relation_accuracy(None, "head_to_dependent")
+
+    def relation_words(self) -> dict[str, int]:
+        """Scored words per relation, most frequent first."""
+        counts = {relation: count for relation, (_, count) in self.by_relation.items()}
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+    def relation_accuracy(
+        self, relation: str | None = None, direction: Direction = "dependent_to_head"
+    ) -> torch.Tensor:
+        """Accuracy `[layers, heads]` on the words of `relation` (None: all words) in `direction`."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if relation is None:
+            hits, words = (self.hits if direction == "dependent_to_head" else self.reverse_hits), self.words
+        elif relation in self.by_relation:
+            hits, words = self.by_relation[relation]
+            hits = hits if direction == "dependent_to_head" else self.reverse_by_relation[relation]
+        else:
+            raise KeyError(f"no word with relation {relation!r}; relations seen: {sorted(self.by_relation)}")
+        accuracy = (hits / max(words, 1)).float()
+        return torch.where(self.present, accuracy, torch.nan)
+
+    def best_head(
+        self, relation: str | None = None, direction: Direction = "dependent_to_head"
+    ) -> tuple[int, int, float]:
+        """(layer, head, accuracy) of the best head for `relation` (None: all words) in `direction`."""
+        accuracy = self.relation_accuracy(relation, direction)
+        layer, head = divmod(int(accuracy.nan_to_num(-1.0).argmax()), accuracy.shape[1])
+        return layer, head, float(accuracy[layer, head])
+
+    def baseline(self, offset: int = 1, relation: str | None = None) -> float:
+        """Accuracy of always choosing the word `offset` positions away (+1 = right-branching)."""
+        if relation is None:
+            return self.offset_hits.get(offset, 0) / max(self.words, 1)
+        words = self.by_relation[relation][1] if relation in self.by_relation else 0
+        return self.relation_offset_hits.get(relation, {}).get(offset, 0) / max(words, 1)
+
+    def best_baseline(self, relation: str | None = None) -> tuple[int, float]:
+        """(offset, accuracy) of the best fixed offset in [-max_offset, max_offset] for `relation`."""
+        offsets = [k for k in range(-self.max_offset, self.max_offset + 1) if k]
+        scores = [(self.baseline(k, relation), -abs(k), k) for k in offsets]
+        accuracy, _, offset = max(scores)
+        return offset, accuracy
+
+    def relation_table(self, min_words: int = 1, relations: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Clark et al.'s Table 1: per relation (and "all" first), the best head in each direction and the
+        best fixed-offset baseline. Heads are "layer-head"; accuracies in percent."""
+        chosen = relations if relations is not None else [r for r, n in self.relation_words().items() if n >= min_words]
+        rows = []
+        for relation in [None, *chosen]:
+            if relation is not None and relation not in self.by_relation:
+                continue
+            row: dict[str, Any] = {
+                "relation": relation or "all",
+                "words": self.words if relation is None else self.by_relation[relation][1],
+            }
+            for direction in DIRECTIONS:
+                layer, head, accuracy = self.best_head(relation, direction)
+                row[f"{direction}_head"] = f"{layer}-{head}"
+                row[f"{direction}_accuracy"] = round(100 * accuracy, 1)
+            offset, accuracy = self.best_baseline(relation)
+            row["baseline_offset"] = offset
+            row["baseline_accuracy"] = round(100 * accuracy, 1)
+            rows.append(row)
+        return rows
+
+    # -- accumulating -------------------------------------------------------------------------------
+    def update(
+        self,
+        probs: Mapping[int, torch.Tensor],
+        targets: SyntaxTargets,
+        heads: Mapping[int, Sequence[int]] | None = None,
+    ) -> None:
+        """Add one batch: `probs[layer]` `[B, H, T, T]` for the tokens `targets` is aligned to.
+        `heads[layer]` gives the original numbers of the layer's current heads (default 0..H-1)."""
+        scored = targets.scored
+        count = int(scored.sum())
+        if count == 0:
+            return
+        self._count_words(targets)
+        relations = len(targets.relations)
+        by_relation = torch.zeros(2, relations, *self.hits.shape, dtype=torch.float64)
+        device = next(iter(probs.values())).device
+        membership, gold = targets.membership.to(device), targets.gold.to(device)
+        scored, codes = targets.scored.to(device), targets.relation_ids[targets.scored].to(device)
+        valid = membership.sum(1) > 0  # words with tokens [B, W]
+        for layer, layer_probs in probs.items():
+            words = _block_for_argmax(batch_word_attention(layer_probs.float(), membership), valid)
+            predicted = torch.stack([words.argmax(-1), words.argmax(-2)])  # [2 directions, B, H, W]
+            correct = (predicted == gold[None, :, None]).transpose(-1, -2)[:, scored].float()  # [2, words, H]
+            per_relation = torch.zeros(2, relations, correct.shape[-1], device=device).index_add_(1, codes, correct)
+            columns = list(range(correct.shape[-1])) if heads is None else list(heads[layer])
+            self.present[layer, columns] = True
+            totals = correct.sum(1).double().cpu()
+            self.hits[layer, columns] += totals[0]
+            self.reverse_hits[layer, columns] += totals[1]
+            by_relation[:, :, layer, columns] += per_relation.double().cpu()
+        for code, relation in enumerate(targets.relations):
+            hits, words = self.by_relation[relation]
+            self.by_relation[relation] = (hits + by_relation[0, code], words)
+            self.reverse_by_relation[relation] = self.reverse_by_relation[relation] + by_relation[1, code]
+
+    def _count_words(self, targets: SyntaxTargets) -> None:
+        scored = targets.scored
+        position = torch.arange(targets.gold.shape[1]).expand_as(targets.gold)
+        offsets = (targets.gold - position)[scored]
+        codes = targets.relation_ids[scored]
+        relations = len(targets.relations)
+        words = torch.bincount(codes, minlength=relations)
+        self.words += int(scored.sum())
+        for code, relation in enumerate(targets.relations):
+            if relation not in self.by_relation:
+                self.by_relation[relation] = (torch.zeros_like(self.hits), 0)
+                self.reverse_by_relation[relation] = torch.zeros_like(self.hits)
+            hits, count = self.by_relation[relation]
+            self.by_relation[relation] = (hits, count + int(words[code]))
+        for offset in range(-self.max_offset, self.max_offset + 1):
+            if not offset:
+                continue
+            matched = offsets == offset
+            self.offset_hits[offset] = self.offset_hits.get(offset, 0) + int(matched.sum())
+            per_relation = torch.bincount(codes[matched], minlength=relations)
+            for code in per_relation.nonzero().flatten().tolist():
+                table = self.relation_offset_hits.setdefault(targets.relations[code], {})
+                table[offset] = table.get(offset, 0) + int(per_relation[code])
+
+    def summary(self) -> dict[str, Any]:
+        """Best heads overall in both directions and the offset baselines, for JSON (percent)."""
+        summary: dict[str, Any] = {"words": self.words}
+        for direction in DIRECTIONS:
+            layer, head, accuracy = self.best_head(None, direction)
+            summary[direction] = {"head": f"{layer}-{head}", "accuracy": round(100 * accuracy, 1)}
+        summary["right_branching"] = round(100 * self.baseline(1), 1)
+        summary["left_branching"] = round(100 * self.baseline(-1), 1)
+        offset, accuracy = self.best_baseline()
+        summary["best_offset"] = {"offset": offset, "accuracy": round(100 * accuracy, 1)}
+        return summary

@@ -1,0 +1,275 @@
+"""One streaming pass of a model over data that fills every analysis at once.
+
+Data is either a sequence of `Sentence`s with gold trees (tokenized here with character offsets, in
+batches of similar length so padding stays small; syntactic accuracy needs these) or any iterable of
+tokenized batches (dicts with `input_ids` and `attention_mask`, a DataLoader's): statistics and token
+similarity only. Attention of all layers is captured for one batch at a time, reduced to counts, and
+dropped: memory is about layers x batch x heads x tokens^2 floats, whatever the data size.
+
+Example:
+    >>> analysis = analyze(model, tokenizer, read_conllu("en_ewt-ud-dev.conllu"))
+    >>> analysis.statistics["entropy"]      # [layers, heads]
+    >>> analysis.syntax.relation_table(min_words=100)
+    >>> analysis.roles().counts()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.pytorch_utils import Conv1D
+
+from attnreg.analysis.dependencies import ParentAccuracy, SyntaxTargets
+from attnreg.analysis.heads import HeadRoles, HeadStatistics, RoleThresholds, TokenKinds, head_output_norms, head_roles
+from attnreg.analysis.representations import TokenSimilarity
+from attnreg.hub import AttentionHub, attach
+from attnreg.pruning import head_numbers, pruned_heads
+from attnreg.syntax.align import align_offsets
+from attnreg.syntax.trees import Sentence
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+@dataclass
+class Analysis:
+    """What `analyze` found: per-head statistics, syntactic accuracy (gold trees only), token similarity.
+
+    `sequences` and `tokens` count what was seen (real tokens); `seconds` is the wall time of the pass.
+    """
+
+    statistics: HeadStatistics | None
+    syntax: ParentAccuracy | None
+    similarity: TokenSimilarity | None
+    sequences: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def roles(self, thresholds: RoleThresholds | None = None) -> HeadRoles:
+        """Head roles from the statistics (and the syntax, when there were gold trees)."""
+        if self.statistics is None:
+            raise ValueError("roles need the head statistics: run analyze(..., statistics=True)")
+        return head_roles(self.statistics, self.syntax, thresholds)
+
+    def to_dict(self, thresholds: RoleThresholds | None = None, min_relation_words: int = 1) -> dict[str, Any]:
+        """Everything as JSON-ready values (percentages rounded to 0.1 in the syntax tables)."""
+        result: dict[str, Any] = {"sequences": self.sequences, "tokens": self.tokens, "seconds": round(self.seconds, 2)}
+        if self.statistics is not None:
+            result["statistics"] = self.statistics.to_dict()
+            roles = self.roles(thresholds)
+            result["roles"] = {"counts": roles.counts(), "heads": roles.table()}
+        if self.syntax is not None:
+            result["syntax"] = {
+                **self.syntax.summary(),
+                "relations": self.syntax.relation_table(min_words=min_relation_words),
+            }
+        if self.similarity is not None:
+            result["token_similarity"] = [round(float(v), 4) for v in self.similarity.mean]
+        return result
+
+
+@torch.no_grad()
+def analyze(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: Sequence[Sentence] | Iterable[Mapping[str, Any]],
+    batch_size: int = 32,
+    max_length: int | None = 128,
+    max_offset: int = 5,
+    statistics: bool = True,
+    syntax: bool = True,
+    similarity: bool = True,
+) -> Analysis:
+    """Run `model` once over `data` and collect the analyses asked for.
+
+    `data`: `Sentence`s with gold trees (`read_conllu`, `parse_texts`), batched here by `batch_size`
+    and truncated to `max_length` tokens; or tokenized batches (then `syntax` is skipped). `tokenizer`
+    must be a fast tokenizer (character offsets); it also tells the special and punctuation tokens.
+    The model is attached to the hub and run in eval mode; its mode is restored. Pruned models work:
+    heads keep their original numbers and removed ones read NaN.
+
+    Example:
+        >>> analysis = analyze(model, tokenizer, sentences, statistics=True, syntax=True, similarity=True)
+        >>> analysis.syntax.best_head(), analysis.syntax.baseline(1)
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    started = time.perf_counter()
+    hub = attach(model)
+    layers = hub.num_layers
+    heads = {layer: head_numbers(model, layer) for layer in range(layers)}
+    removed = pruned_heads(model)
+    width = max(len(heads[layer]) + len(removed.get(layer, ())) for layer in range(layers))
+    sentences = _as_sentences(data)
+    kinds = TokenKinds.from_tokenizer(tokenizer) if statistics else None
+    result = Analysis(
+        statistics=HeadStatistics.empty(layers, width) if statistics else None,
+        syntax=ParentAccuracy.empty(layers, width, max_offset) if syntax and sentences is not None else None,
+        similarity=TokenSimilarity.empty(layers) if similarity else None,
+    )
+    batches = (
+        _sentence_batches(tokenizer, sentences, batch_size, max_length)
+        if sentences is not None
+        else _loader_batches(data)
+    )
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with _output_norms(hub, enabled=statistics) as norms:
+            for inputs, targets in batches:
+                inputs = {key: value.to(device) for key, value in inputs.items()}
+                mask = inputs["attention_mask"]
+                with hub.capture() as record:
+                    output = model(**inputs, output_hidden_states=similarity)
+                probs = {layer: record[layer] for layer in record}
+                if result.statistics is not None:
+                    token_kinds = kinds.masks(inputs["input_ids"], mask)
+                    result.statistics.update(probs, token_kinds, mask, hub.family.causal, heads)
+                    for layer, values in norms.items():
+                        result.statistics.update_output_norm(layer, values, mask, heads[layer])
+                if result.syntax is not None:
+                    result.syntax.update(probs, targets, heads)
+                if result.similarity is not None:
+                    result.similarity.update(output.hidden_states, mask)
+                result.sequences += mask.shape[0]
+                result.tokens += int(mask.sum())
+                del probs, record, output
+                norms.clear()
+    finally:
+        model.train(was_training)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def head_statistics(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: Sequence[Sentence] | Iterable[Mapping[str, Any]],
+    batch_size: int = 32,
+    max_length: int | None = 128,
+) -> HeadStatistics:
+    """Per-head statistics of `model` over `data` (see `analyze`).
+
+    Example:
+        >>> stats = head_statistics(model, tokenizer, loader)
+        >>> stats["to_end"]          # [layers, heads]: attention on [SEP]
+    """
+    return analyze(
+        model, tokenizer, data, batch_size, max_length, statistics=True, syntax=False, similarity=False
+    ).statistics
+
+
+def parent_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sentences: Sequence[Sentence],
+    batch_size: int = 32,
+    max_length: int | None = 128,
+    max_offset: int = 5,
+) -> ParentAccuracy:
+    """Parent accuracy of every head of `model` over `sentences` with gold trees, both directions.
+
+    Words cut by truncation, or without a token of their own, and words whose head is such a word,
+    are not scored. The model is attached to the hub and run in eval mode (its mode is restored).
+
+    Example:
+        >>> result = parent_accuracy(model, tokenizer, read_conllu("en_ewt-ud-dev.conllu"))
+        >>> result.best_head(), result.baseline(1)
+    """
+    if _as_sentences(sentences) is None:
+        raise TypeError("parent_accuracy needs Sentence objects with gold trees (read_conllu, parse_texts)")
+    return analyze(
+        model, tokenizer, sentences, batch_size, max_length, max_offset, statistics=False, similarity=False
+    ).syntax
+
+
+def _as_sentences(data: Any) -> Sequence[Sentence] | None:
+    if isinstance(data, Sequence) and len(data) > 0 and isinstance(data[0], Sentence):
+        return data
+    return None
+
+
+def _sentence_batches(
+    tokenizer: PreTrainedTokenizerBase, sentences: Sequence[Sentence], batch_size: int, max_length: int | None
+) -> Iterator[tuple[dict[str, torch.Tensor], SyntaxTargets]]:
+    """Batches of sentences of similar token length, padded on the right, with their aligned gold trees."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(
+            f"{type(tokenizer).__name__} is not a fast tokenizer: the analysis needs character offsets "
+            "(load it with AutoTokenizer.from_pretrained(..., use_fast=True))"
+        )
+    encoding = tokenizer(
+        [sentence.text for sentence in sentences],
+        truncation=max_length is not None,
+        max_length=max_length,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    order = sorted(range(len(sentences)), key=lambda index: len(ids[index]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        tokens = max(len(ids[index]) for index in chunk)
+        input_ids = torch.full((len(chunk), tokens), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(chunk), tokens), dtype=torch.long)
+        for row, index in enumerate(chunk):
+            input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
+            attention_mask[row, : len(ids[index])] = 1
+        alignments = [align_offsets(sentences[index], offsets[index]) for index in chunk]
+        targets = SyntaxTargets.build([sentences[index] for index in chunk], alignments, tokens)
+        yield {"input_ids": input_ids, "attention_mask": attention_mask}, targets
+
+
+def _loader_batches(data: Iterable[Mapping[str, Any]]) -> Iterator[tuple[dict[str, torch.Tensor], None]]:
+    for number, batch in enumerate(data):
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            kind = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise TypeError(
+                f"batch {number}: expected a Sentence sequence or dicts with 'input_ids' (and 'attention_mask'), "
+                f"got {kind}"
+            )
+        inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+        inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))
+        yield inputs, None
+
+
+@contextmanager
+def _output_norms(hub: AttentionHub, enabled: bool) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward hooks on every output projection that record each head's output norm `[B, T, H]` per layer.
+
+    A forward hook sees the projection's input after gate pre-hooks, so gated heads read what they write.
+    """
+    norms: dict[int, torch.Tensor] = {}
+    handles = []
+    if enabled:
+        for info in hub.layers:
+            if info.num_heads == 0:
+                continue
+            projection = hub.family.out_projection(hub.model, info.index)
+            weight = projection.weight.detach().float()
+            weight = weight.T if isinstance(projection, Conv1D) else weight  # [out, heads * dim]
+            per_head = weight.reshape(weight.shape[0], info.num_heads, info.head_dim)
+            gram = torch.einsum("ohd,ohe->hde", per_head, per_head)
+            handles.append(projection.register_forward_hook(_NormHook(norms, info.index, gram)))
+    try:
+        yield norms
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _NormHook:
+    def __init__(self, norms: dict[int, torch.Tensor], layer: int, gram: torch.Tensor) -> None:
+        self.norms, self.layer, self.gram = norms, layer, gram
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.norms[self.layer] = head_output_norms(args[0], self.gram.to(args[0].device))
