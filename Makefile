@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python scripts/demo.py
+	$(BIN)/attnreg-train
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -48,7 +48,7 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         loss = self(batch).loss
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -56,7 +56,7 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
         predictions = output.logits.argmax(-1)
         self.val_acc.update(predictions, batch["labels"])
         self.val_mcc.update(predictions, batch["labels"])
-        self.log("val/loss", output.loss, prog_bar=True)
+        self.log("val/loss", output.loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
         self.log("val/acc", self.val_acc, prog_bar=True)
         self.log("val/mcc", self.val_mcc)
 

@@ -79,8 +79,9 @@ class AttentionLoss(L.Callback):
         """Log one figure per captured layer as `attnreg/<name>/layer<l>`."""
         if self.module is None:
             return
+        sync = self.module.trainer.world_size > 1
         for layer, value in zip(self.layers, values.detach(), strict=True):
-            self.module.log(f"attnreg/{self.name}/layer{layer}", value)
+            self.module.log(f"attnreg/{self.name}/layer{layer}", value, sync_dist=sync)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         module = require_mixin(pl_module, self)

@@ -1,0 +1,134 @@
+"""Collect the `summary.json` of every job of a Hydra multirun into one table.
+
+Each job's overrides (from its `.hydra/overrides.yaml`) name its row; the overrides that differ between
+jobs become columns, and jobs that differ only in `seed` are grouped: every metric as mean ± std over
+seeds. Writes `collected.md` and `collected.json` into the sweep folder and prints the markdown.
+
+Example:
+    $ attnreg-train -m attnreg.syntax_kl.weight=0,1 seed=0,1,2
+    $ attnreg-collect multirun/2025-01-31/12-00-00
+    | attnreg.syntax_kl.weight | runs | accuracy.hard | accuracy.test | ... |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+DEFAULT_METRICS = (
+    "accuracy.val",
+    "accuracy.test",
+    "accuracy.hard",
+    "parent_accuracy.supervised_mean",
+    "train_seconds",
+)
+
+
+def load_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """Every job under `sweep_dir` with a `summary.json`: `{"job", "overrides", "summary"}`, by job folder."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"sweep folder {str(sweep_dir)!r} does not exist")
+    runs = []
+    for path in sorted(sweep_dir.rglob("summary.json")):
+        job = path.parent
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
+        runs.append(
+            {
+                "job": str(job.relative_to(sweep_dir)),
+                "overrides": dict(override.split("=", 1) for override in overrides or []),
+                "summary": json.loads(path.read_text()),
+            }
+        )
+    if not runs:
+        raise FileNotFoundError(f"no summary.json under {sweep_dir} (is it the folder of a finished multirun?)")
+    return runs
+
+
+def value_at(summary: Mapping[str, Any], path: str) -> float | None:
+    """The number at a dotted `path` of `summary` ("accuracy.hard"); None where it is missing."""
+    value: Any = summary
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def varying_keys(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Override keys whose value differs between runs (or that some runs lack), in first-seen order."""
+    keys = list(dict.fromkeys(key for run in runs for key in run["overrides"]))
+    return [key for key in keys if len({run["overrides"].get(key) for run in runs}) > 1]
+
+
+def collect(
+    runs: Sequence[Mapping[str, Any]], metrics: Iterable[str] = DEFAULT_METRICS, over: str = "seed"
+) -> dict[str, Any]:
+    """Group `runs` by their varying overrides except `over`, and summarize each metric per group.
+
+    Returns `{"keys": [...], "metrics": [...], "groups": [{"overrides", "runs", "<metric>": {"mean",
+    "std", "values"}}]}`; metrics that no run has are left out.
+    """
+    keys = [key for key in varying_keys(runs) if key != over]
+    metrics = [m for m in metrics if any(value_at(run["summary"], m) is not None for run in runs)]
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(tuple(run["overrides"].get(key) for key in keys), []).append(run)
+    rows = []
+    for values, members in groups.items():
+        row: dict[str, Any] = {"overrides": dict(zip(keys, values, strict=True)), "runs": len(members)}
+        for name in metrics:
+            numbers = [v for v in (value_at(run["summary"], name) for run in members) if v is not None]
+            row[name] = {
+                "mean": statistics.mean(numbers) if numbers else math.nan,
+                "std": statistics.stdev(numbers) if len(numbers) > 1 else 0.0,
+                "values": numbers,
+            }
+        rows.append(row)
+    return {"keys": keys, "metrics": metrics, "groups": rows}
+
+
+def markdown(table: Mapping[str, Any]) -> str:
+    """The collected table as markdown: one row per group, `mean ± std` per metric."""
+    header = [*table["keys"], "runs", *table["metrics"]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table["groups"]:
+        cells = [str(row["overrides"][key]) for key in table["keys"]] + [str(row["runs"])]
+        cells += [_mean_std(row[name]) for name in table["metrics"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_std(stats: Mapping[str, Any]) -> str:
+    if math.isnan(stats["mean"]):
+        return "-"
+    text = f"{stats['mean']:.3f}"
+    return text + (f" ± {stats['std']:.3f}" if len(stats["values"]) > 1 else "")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`attnreg-collect SWEEP_DIR [--metrics ...] [--over seed]`: see the module docstring."""
+    parser = argparse.ArgumentParser(description="Collect the summaries of an attnreg-train multirun into a table.")
+    parser.add_argument("sweep_dir", help="the multirun folder (multirun/DATE/TIME)")
+    parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="dotted paths into summary.json")
+    parser.add_argument("--over", default="seed", help="the override averaged over (default: seed)")
+    args = parser.parse_args(argv)
+    runs = load_runs(args.sweep_dir)
+    table = collect(runs, args.metrics, args.over)
+    text = markdown(table)
+    sweep_dir = Path(args.sweep_dir)
+    (sweep_dir / "collected.md").write_text(text)
+    (sweep_dir / "collected.json").write_text(json.dumps({**table, "runs": runs}, indent=2) + "\n")
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

