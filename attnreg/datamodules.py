@@ -99,7 +99,8 @@ class ClassificationDataModule(L.LightningDataModule):
         return self._tokenizer
 
     def build_tokenizer(self) -> PreTrainedTokenizerBase:
-        raise NotImplementedError
+        """A tokenizer from this data's own vocabulary; each data module defines it (abstract here)."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_tokenizer() or be given a tokenizer")
 
     def collator(self) -> Callable:
         if self.with_prior:
@@ -214,7 +215,8 @@ class TextDataModule(ClassificationDataModule):
         self.limit_train, self.vocab_size = limit_train, vocab_size
 
     def read(self, split: str) -> tuple[list[str], list[int]]:
-        raise NotImplementedError
+        """Texts and labels of `split` ("train", "val"); each text data module defines it (abstract here)."""
+        raise NotImplementedError(f"{type(self).__name__} must define read(split)")
 
     def training_texts(self) -> tuple[list[str], list[int]]:
         texts, labels = self.read("train")

@@ -28,8 +28,16 @@ def test_reads_ewt_dev_with_multiword_tokens_and_empty_nodes():
     sentences = read_conllu(EWT / "en_ewt-ud-dev.conllu")
     assert len(sentences) == 2001
     assert all(len(s.words) == len(s.heads) == len(s.relations) for s in sentences)
-    with_empty = next(s for s in sentences if s.sent_id.endswith("20060814_163400-0007"))
-    assert not any("." in str(head) for head in with_empty.heads)
+    # Every sentence has exactly its integer-id rows as words: no empty node (5.1), no range (3-4).
+    integer_rows, rows = [], 0
+    for line in (EWT / "en_ewt-ud-dev.conllu").read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            integer_rows.append(rows)
+            rows = 0
+        elif not line.startswith("#") and line.split("\t", 1)[0].isdigit():
+            rows += 1
+    assert [len(s.words) for s in sentences] == integer_rows
+    assert any("." in line.split("\t", 1)[0] for line in (EWT / "en_ewt-ud-dev.conllu").open() if "\t" in line)
     assert not any(word in ("don't", "can't", "won't") for s in sentences for word in s.words)
     assert sum(word == "n't" for s in sentences for word in s.words) > 20
 
