@@ -29,6 +29,7 @@ import attnreg
 from attnreg.analysis import parent_accuracy
 from attnreg.datasets import read_cola
 from attnreg.modules import SequenceClassifier
+from attnreg.schedules import Constant, Warmup
 from attnreg.syntax import SyntaxCollator, SyntaxDataset, read_conllu
 from attnreg.syntax.parse import parse_texts
 from attnreg.train import minilm_directory
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--weight", type=float, default=1.0)
+    parser.add_argument("--warmup", type=float, default=0.0, help="ramp the weight from 0 over this share")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--ewt-train", type=int, default=4000, help="EWT train sentences for the gold-tree run")
     parser.add_argument("--threads", type=int, default=1)
@@ -126,9 +128,10 @@ def main() -> None:
         train = DataLoader(train_set, args.batch_size, shuffle=True, collate_fn=collate, generator=generator)
         return train, DataLoader(dev_set, 64, collate_fn=collate)
 
+    weight = Warmup(args.warmup, Constant(args.weight)) if args.warmup else args.weight
     callbacks = {
         "baseline": lambda: [],
-        "prior": lambda: [attnreg.SyntaxPriorKL(weight=args.weight, heads={k: [h] for k, h in heads.items()})],
+        "prior": lambda: [attnreg.SyntaxPriorKL(weight=weight, heads={k: [h] for k, h in heads.items()})],
     }
     runs = []
     for seed in args.seeds:
@@ -176,6 +179,7 @@ def main() -> None:
             "seeds": args.seeds,
             "epochs": args.epochs,
             "weight": args.weight,
+            "weight_warmup": args.warmup,
             "heads": {f"layer{layer}": h for layer, h in heads.items()},
             "cola_train": len(train_set),
             "ewt_dev_sentences": len(ewt_dev),
@@ -207,7 +211,9 @@ def markdown(report: dict) -> str:
     lines = [
         "# Syntax prior on CoLA with the pretrained MiniLM",
         "",
-        f"Seeds {setup['seeds']}, {setup['epochs']} epochs, prior weight {setup['weight']} on heads {setup['heads']}.",
+        f"Seeds {setup['seeds']}, {setup['epochs']} epochs, prior weight {setup['weight']}"
+        + (f" (ramped from 0 over the first {setup['weight_warmup']:.0%})" if setup.get("weight_warmup") else "")
+        + f" on heads {setup['heads']}.",
         "Parent accuracy: word level (Clark et al. 2019) on EWT dev gold trees "
         f"({setup['ewt_dev_sentences']} sentences).",
         "",

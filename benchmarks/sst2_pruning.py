@@ -67,6 +67,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MAX_TOKENS = 64
 FRACTIONS = [round(0.1 * k, 1) for k in range(10)]  # 0% .. 90% of the heads removed
 PROGRESSIVE = [(0.4, 58), (0.55, 47), (0.7, 36)]
+METHODS = ("importance", "l1", "hard_concrete", "progressive")
 
 
 class GatedClassifier(SequenceClassifier):
@@ -199,15 +200,26 @@ def run(args) -> dict:
     base_accuracy = dev_accuracy(baseline)
     runs["unpruned"] = {"train_s": seconds, "parameters": pruning.count_parameters(baseline)}
     print(f"unpruned: accuracy {base_accuracy:.4f} ({seconds:.0f} s)", flush=True)
-    started = time.perf_counter()
-    curve = pruning.iterative_pruning(baseline, importance, dev_accuracy, fraction=0.1, stop_ratio=0.0, apply=False)
-    runs["importance"] = {"prune_s": time.perf_counter() - started}
-    for step in curve:
-        if step.heads_removed / total < 0.95:
-            points.append(point("importance", total, step.heads_removed, step.metric))
-    print("importance: " + ", ".join(f"{p['heads_removed']} {p['accuracy']:.4f}" for p in points), flush=True)
+    if "importance" in args.methods:
+        started = time.perf_counter()
+        curve = pruning.iterative_pruning(baseline, importance, dev_accuracy, stop_ratio=0.0, apply=False)
+        runs["importance"] = {"prune_s": time.perf_counter() - started}
+        for step in curve:
+            if step.heads_removed / total < 0.95:
+                points.append(point("importance", total, step.heads_removed, step.metric))
+        print("importance: " + ", ".join(f"{p['heads_removed']} {p['accuracy']:.4f}" for p in points), flush=True)
 
-    # (b) L1 gates during fine-tuning, then removal at every sparsity
+    if "l1" in args.methods:
+        l1_run(directory, train, args, total, dev_accuracy, points, runs)
+    if "hard_concrete" in args.methods:
+        hard_concrete_runs(directory, train, args, total, dev_accuracy, points, runs)
+    if "progressive" in args.methods:
+        progressive_run(directory, train, args, total, dev_accuracy, points, runs)
+    return {"total_heads": total, "unpruned_accuracy": base_accuracy, "points": points, "runs": runs}
+
+
+def l1_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, points: list, runs: dict) -> None:
+    """(b) L1 gates during fine-tuning, then removal at every sparsity."""
     snapshot = GatedSnapshot()
     half = total - round(0.5 * total)
     gating = HeadGating(kind="l1", weight=Warmup(0.1, Constant(args.l1_weight)), keep=half)
@@ -237,7 +249,9 @@ def run(args) -> dict:
         flush=True,
     )
 
-    # (c) hard-concrete gates with a target number of heads
+
+def hard_concrete_runs(directory: Path, train: list[dict], args, total: int, dev_accuracy, points, runs) -> None:
+    """(c) hard-concrete gates with a target number of heads, one fine-tune per target."""
     for keep in args.keeps:
         snapshot = GatedSnapshot()
         gating = HeadGating(kind="hard_concrete", keep=keep, target_warmup=0.5)
@@ -257,7 +271,9 @@ def run(args) -> dict:
         points.append(point("hard_concrete", total, total - heads_of(pruned), acc))
         print(f"hard_concrete keep {keep}: accuracy {acc:.4f}, expected heads {expected:.1f} ({seconds:.0f} s)")
 
-    # (d) progressive L1 removal at milestones, with recovery at the final size
+
+def progressive_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, points, runs) -> None:
+    """(d) progressive L1 removal at milestones, with recovery at the final size."""
     gating = HeadGating(kind="l1", weight=Warmup(0.1, Constant(args.l1_weight)), milestones=PROGRESSIVE)
     pruned, seconds = fine_tune(directory, train, args, [gating], gate_lr=args.l1_gate_lr)
     acc = dev_accuracy(pruned)
@@ -269,7 +285,6 @@ def run(args) -> dict:
     }
     points.append(point("progressive", total, total - heads_of(pruned), acc))
     print(f"progressive to {PROGRESSIVE[-1][1]} heads: accuracy {acc:.4f} ({seconds:.0f} s)", flush=True)
-    return {"total_heads": total, "unpruned_accuracy": base_accuracy, "points": points, "runs": runs}
 
 
 def targets(results: dict) -> dict:
@@ -351,11 +366,14 @@ def markdown(results: dict) -> str:
             f"| {p['method']} | {p['heads_removed']} | {100 * p['fraction_removed']:.0f} | "
             f"{100 * p['accuracy']:.2f} | {100 * (p['accuracy'] - base):+.2f} |"
         )
-    l1 = results["runs"]["l1"]
+    l1 = results["runs"].get("l1")
+    if l1:
+        lines += [
+            "",
+            f"L1 gates below {l1['threshold']} at the end: {l1['threshold_heads_removed']} heads, removing them "
+            f"gives {100 * l1['threshold_accuracy']:.2f}.",
+        ]
     lines += [
-        "",
-        f"L1 gates below {l1['threshold']} at the end: {l1['threshold_heads_removed']} heads, removing them gives "
-        f"{100 * l1['threshold_accuracy']:.2f}.",
         "",
         "| method | most removed within 0.5 point | within 1 point | >= 40% within 0.5 | >= 50% within 1 |",
         "|---|---:|---:|---|---|",
@@ -392,8 +410,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, default=0.1, help="L1: also report removing |g| below this")
     parser.add_argument("--keeps", type=int, nargs="+", default=[43, 36], help="hard-concrete targets (heads kept)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="besides the unpruned baseline"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)  # several multi-threaded processes on a shared machine stall each other
     if args.quick:
         args.train, args.importance, args.dev, args.max_steps, args.batch = 64, 32, 64, 4, 16
     if not (DATA / "train.tsv").is_file():
@@ -406,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         machine=f"{torch.get_num_threads()} torch threads, {platform.machine()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, lightning {L.__version__}, Python {platform.python_version()}",
         quick=args.quick,
-        settings={key: value for key, value in vars(args).items() if key not in ("out", "quick")},
+        settings={key: value for key, value in vars(args).items() if key not in ("out", "quick", "threads")},
         wall_s=time.perf_counter() - started,
     )
     results["targets"] = targets(results)

@@ -20,11 +20,15 @@ from attnreg.syntax import (
     align_offsets,
     align_word_ids,
     dropped_arcs,
+    pad_heads,
     read_conllu,
     tree_distances,
+    tree_distances_batch,
     word_prior,
+    word_priors,
     word_spans,
 )
+from attnreg.syntax.priors import _Tokens
 
 EWT = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt"
 needs_ewt = pytest.mark.skipif(not EWT.is_dir(), reason=f"UD English EWT not found at {EWT}")
@@ -203,12 +207,49 @@ def test_tree_distances_match_breadth_first_search():
             assert [distance[t] for t in range(count)] == tree_distances(heads)[source].tolist()
 
 
+def test_batched_tree_distances_and_word_priors_match_single_sentences():
+    trees = [[2, 0, 2, 3], [0], [3, 3, 0, 3, 4, 4, 3]]
+    distances = tree_distances_batch(pad_heads(trees))
+    for row, heads in enumerate(trees):
+        count = len(heads)
+        np.testing.assert_array_equal(distances[row, :count, :count], tree_distances(heads))
+        for kind in ("parent", "neighbors", "tree_distance"):
+            batched = word_priors(pad_heads(trees), kind, root="self")[row]
+            np.testing.assert_allclose(batched[:count, :count], word_prior(heads, kind, root="self"), rtol=1e-6)
+            assert batched[count:].sum() == 0 and batched[:, count:].sum() == 0  # padding words get nothing
+    assert word_prior([0], "tree_distance").tolist() == [[0.0]]  # a one-word tree has no other word
+
+
+@needs_ewt
+@pytest.mark.parametrize(
+    "prior",
+    [
+        SyntaxPrior("parent"),
+        SyntaxPrior("parent", root="self", query_pieces="first"),
+        SyntaxPrior("parent", key_pieces="spread"),
+        SyntaxPrior("neighbors", query_pieces="first"),
+        SyntaxPrior("tree_distance", temperature=0.5, key_pieces="spread"),
+    ],
+)
+def test_batch_prior_equals_each_sentence_alone(prior, wordpiece):
+    sentences = read_conllu(EWT / "en_ewt-ud-dev.conllu")[:48]
+    offsets = wordpiece(
+        [s.text for s in sentences], padding=True, truncation=True, max_length=24, return_offsets_mapping=True
+    )["offset_mapping"]
+    alignments = [align_offsets(s, o) for s, o in zip(sentences, offsets, strict=True)]
+    assert any(a.dropped_words for a in alignments)  # truncation at 24 tokens cuts some sentences
+    batched = prior.batch([s.heads for s in sentences], alignments)
+    for row, (sentence, alignment) in enumerate(zip(sentences, alignments, strict=True)):
+        np.testing.assert_allclose(batched[row], prior(sentence.heads, alignment), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        prior.batch([sentences[0].heads] * 2, [alignments[0], align_offsets(sentences[0], offsets[0][:-1])])
+
+
 def test_dense_priors_agree_with_indices_and_spread_mass(sentence, wordpiece):
     alignment = align_offsets(sentence, wordpiece(sentence.text, return_offsets_mapping=True)["offset_mapping"])
     indices = SyntaxPrior("parent")(sentence.heads, alignment)
-    dense_first = SyntaxPrior("parent", key_pieces="first", query_pieces="all")._dense(
-        word_prior(sentence.heads, "parent"), alignment
-    )
+    tokens = _Tokens.of([alignment], len(sentence.words))
+    dense_first = SyntaxPrior("parent")._dense(word_priors(pad_heads([sentence.heads])), tokens)[0]
     expected = np.zeros_like(dense_first)
     rows = np.flatnonzero(indices >= 0)
     expected[rows, indices[rows]] = 1.0

@@ -10,7 +10,7 @@ Example:
 from attnreg.syntax.align import Alignment, AlignmentError, align_offsets, align_word_ids, dropped_arcs, word_spans
 from attnreg.syntax.data import PRIOR_KEY, SyntaxCollator, SyntaxDataset
 from attnreg.syntax.parse import doc_to_sentence, iter_parse, load_parser, parse_texts, to_ud
-from attnreg.syntax.priors import SyntaxPrior, tree_distances, word_prior
+from attnreg.syntax.priors import SyntaxPrior, pad_heads, tree_distances, tree_distances_batch, word_prior, word_priors
 from attnreg.syntax.trees import ConlluError, Sentence, check_tree, iter_conllu, read_conllu
 
 __all__ = [
@@ -30,10 +30,13 @@ __all__ = [
     "iter_conllu",
     "iter_parse",
     "load_parser",
+    "pad_heads",
     "parse_texts",
     "read_conllu",
     "to_ud",
     "tree_distances",
+    "tree_distances_batch",
     "word_prior",
+    "word_priors",
     "word_spans",
 ]

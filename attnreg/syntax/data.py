@@ -122,15 +122,14 @@ class SyntaxCollator:
 
     def priors(self, sentences: Sequence[Sentence], offsets: np.ndarray) -> np.ndarray:
         """The batch's prior from token `offsets` `[B, T, 2]`: `[B, T]` indices or `[B, T, T]` rows."""
-        length = offsets.shape[1]
-        shape = (len(sentences), length) if self.prior.one_hot else (len(sentences), length, length)
-        out = np.full(shape, -1, dtype=np.int64) if self.prior.one_hot else np.zeros(shape, dtype=np.float32)
-        dropped = 0
-        for row, (sentence, token_offsets) in enumerate(zip(sentences, offsets, strict=True)):
-            alignment = align_offsets(sentence, token_offsets)
-            out[row] = self.prior(sentence.heads, alignment)
-            if alignment.dropped_words:
-                dropped += dropped_arcs(alignment, sentence.heads)
+        pairs = zip(sentences, offsets, strict=True)
+        alignments = [align_offsets(sentence, token_offsets) for sentence, token_offsets in pairs]
+        dropped = sum(
+            dropped_arcs(alignment, sentence.heads)
+            for sentence, alignment in zip(sentences, alignments, strict=True)
+            if alignment.dropped_words
+        )
+        out = self.prior.batch([sentence.heads for sentence in sentences], alignments)
         self._count(sum(len(s.heads) - 1 for s in sentences), dropped)
         return out
 

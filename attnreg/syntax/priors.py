@@ -13,9 +13,13 @@ A parent prior on first pieces is one-hot, returned compactly as key indices `[T
 out), the form `attnreg.losses.prior_kl` reads fastest; others are dense `[T, T]`. Rows are never
 restricted causally here: `prior_kl(..., causal=True)` does that for decoders.
 
+A padded batch is built in one vectorized pass (`SyntaxPrior.batch`, what `SyntaxCollator` calls):
+the per-sentence Python work is the alignment alone.
+
 Example:
     >>> prior = SyntaxPrior("parent")
     >>> prior(sentence.heads, alignment)      # [T] key index per query token, -1 where left out
+    >>> prior.batch([s.heads for s in sentences], alignments)     # [B, T]
 """
 
 from __future__ import annotations
@@ -41,47 +45,64 @@ def word_prior(
     heads: Sequence[int], kind: PriorKind = "parent", root: str = "exclude", temperature: float = 1.0
 ) -> np.ndarray:
     """The prior over words `[n, n]` (row = query word) from 1-based `heads` (0 = root)."""
-    heads = np.asarray(heads, dtype=np.int64)
-    count = len(heads)
-    words = np.arange(count)
-    dependents = words[heads > 0]
-    prior = np.zeros((count, count), dtype=np.float32)
+    return word_priors(pad_heads([heads]), kind, root, temperature)[0]
+
+
+def pad_heads(heads: Sequence[Sequence[int]]) -> np.ndarray:
+    """1-based heads of several sentences as one array `[B, N]`, -1 after each sentence's last word."""
+    padded = np.full((len(heads), max((len(h) for h in heads), default=0)), -1, dtype=np.int64)
+    for row, sentence_heads in enumerate(heads):
+        padded[row, : len(sentence_heads)] = sentence_heads
+    return padded
+
+
+def word_priors(
+    heads: np.ndarray, kind: PriorKind = "parent", root: str = "exclude", temperature: float = 1.0
+) -> np.ndarray:
+    """`word_prior` for a batch: `heads` `[B, N]` from `pad_heads`; returns `[B, N, N]` (padding words get none)."""
+    batch, count = heads.shape
+    prior = np.zeros((batch, count, count), dtype=np.float32)
+    sentence, dependent = np.nonzero(heads > 0)
+    head = heads[sentence, dependent] - 1
     if kind == "parent":
-        prior[dependents, heads[dependents] - 1] = 1.0
+        prior[sentence, dependent, head] = 1.0
         if root == "self":
-            prior[words[heads == 0], words[heads == 0]] = 1.0
+            roots = np.nonzero(heads == 0)
+            prior[roots[0], roots[1], roots[1]] = 1.0
         return prior
     if kind == "neighbors":
-        prior[dependents, heads[dependents] - 1] = 1.0
-        prior[heads[dependents] - 1, dependents] = 1.0
+        prior[sentence, dependent, head] = 1.0
+        prior[sentence, head, dependent] = 1.0
         return _normalize_rows(prior)
     if kind == "tree_distance":
-        logits = -tree_distances(heads).astype(np.float32) / temperature
-        np.fill_diagonal(logits, -np.inf)
-        if count == 1:
-            return prior
-        logits -= logits.max(-1, keepdims=True)
-        return _normalize_rows(np.exp(logits))
+        words = heads >= 0
+        allowed = words[:, :, None] & words[:, None, :] & ~np.eye(count, dtype=bool)
+        logits = np.where(allowed, -tree_distances_batch(heads).astype(np.float32) / temperature, -np.inf)
+        top = logits.max(-1, keepdims=True, initial=-np.inf)
+        prior = np.exp(logits - np.where(np.isfinite(top), top, 0.0), where=allowed, out=prior)
+        return _normalize_rows(prior)
     raise ValueError(f"kind must be one of {_CHOICES['kind']}, got {kind!r}")
 
 
 def tree_distances(heads: Sequence[int]) -> np.ndarray:
     """Number of arcs between every pair of words `[n, n]` of the tree given by 1-based `heads`."""
-    heads = np.asarray(heads, dtype=np.int64)
-    count = len(heads)
-    # ancestors[i, k]: k is i or an ancestor of i; filled by following heads up, one level per pass.
-    ancestors = np.eye(count, dtype=bool)
-    frontier = np.arange(count)
-    while True:
-        alive = frontier >= 0
-        if not alive.any():
-            break
-        frontier = np.where(alive, heads[np.maximum(frontier, 0)] - 1, -1)
-        rows = np.flatnonzero(frontier >= 0)
-        ancestors[rows, frontier[rows]] = True
-    depth = ancestors.sum(1) - 1
-    common = ancestors.astype(np.int64) @ ancestors.T.astype(np.int64)  # depth of the lowest common ancestor + 1
-    return depth[:, None] + depth[None, :] - 2 * (common - 1)
+    return tree_distances_batch(pad_heads([heads]))[0]
+
+
+def tree_distances_batch(heads: np.ndarray) -> np.ndarray:
+    """`tree_distances` for `heads` `[B, N]` from `pad_heads`: `[B, N, N]` (meaningless for padding words)."""
+    batch, count = heads.shape
+    sentence = np.arange(batch)[:, None]
+    # ancestors[b, i, k]: k is i or an ancestor of i; filled by following heads up, one level per pass.
+    ancestors = np.broadcast_to(np.eye(count, dtype=np.float32), (batch, count, count)).copy()
+    frontier = np.where(heads > 0, np.arange(count)[None, :], -1)
+    while (frontier >= 0).any():
+        frontier = np.where(frontier >= 0, heads[sentence, np.maximum(frontier, 0)] - 1, -1)
+        rows, words = np.nonzero(frontier >= 0)
+        ancestors[rows, words, frontier[rows, words]] = 1.0
+    depth = ancestors.sum(-1) - 1
+    common = ancestors @ ancestors.transpose(0, 2, 1)  # depth of the lowest common ancestor + 1 (exact in float32)
+    return (depth[:, :, None] + depth[:, None, :] - 2 * (common - 1)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -111,43 +132,80 @@ class SyntaxPrior:
         return self.kind == "parent" and self.key_pieces == "first"
 
     def __call__(self, heads: Sequence[int], alignment: Alignment) -> np.ndarray:
-        if len(heads) != alignment.num_words:
-            raise ValueError(f"{len(heads)} heads for an alignment of {alignment.num_words} words")
-        if self.one_hot:
-            return self._parent_indices(np.asarray(heads, dtype=np.int64), alignment)
-        return self._dense(word_prior(heads, self.kind, self.root, self.temperature), alignment)
+        return self.batch([heads], [alignment])[0]
 
-    def _query_words(self, alignment: Alignment) -> np.ndarray:
-        """Word of each query token that gets a prior row (-1 elsewhere)."""
-        token_word = alignment.token_word
+    def batch(self, heads: Sequence[Sequence[int]], alignments: Sequence[Alignment]) -> np.ndarray:
+        """Priors of several sentences at once, their alignments over the same `T` tokens (a padded
+        batch): `[B, T]` key indices (`one_hot`) or `[B, T, T]` rows. One vectorized pass for the batch.
+
+        Example:
+            >>> SyntaxPrior("tree_distance").batch([s.heads for s in sentences], alignments)   # [B, T, T]
+        """
+        for sentence_heads, alignment in zip(heads, alignments, strict=True):
+            if len(sentence_heads) != alignment.num_words:
+                raise ValueError(f"{len(sentence_heads)} heads for an alignment of {alignment.num_words} words")
+        padded = pad_heads(heads)
+        tokens = _Tokens.of(alignments, padded.shape[1])
+        if self.one_hot:
+            return self._parent_indices(padded, tokens)
+        return self._dense(word_priors(padded, self.kind, self.root, self.temperature), tokens)
+
+    def _query_words(self, tokens: _Tokens) -> np.ndarray:
+        """Word of each query token that gets a prior row `[B, T]` (-1 elsewhere)."""
         if self.query_pieces == "all":
-            return token_word
-        first = np.full_like(token_word, -1)
-        kept = alignment.first_piece[alignment.first_piece >= 0]
-        first[kept] = token_word[kept]
+            return tokens.word
+        first = np.full_like(tokens.word, -1)
+        sentence, word = np.nonzero(tokens.first_piece >= 0)
+        first[sentence, tokens.first_piece[sentence, word]] = word
         return first
 
-    def _parent_indices(self, heads: np.ndarray, alignment: Alignment) -> np.ndarray:
-        first_piece = alignment.first_piece
-        target_word = np.where(heads > 0, heads - 1, np.arange(len(heads)) if self.root == "self" else -1)
-        target = np.where(target_word >= 0, first_piece[np.maximum(target_word, 0)], -1)
-        query_word = self._query_words(alignment)
-        return np.where(query_word >= 0, target[np.maximum(query_word, 0)], -1)
+    def _parent_indices(self, heads: np.ndarray, tokens: _Tokens) -> np.ndarray:
+        sentence = np.arange(len(heads))[:, None]
+        own = np.broadcast_to(np.arange(heads.shape[1]), heads.shape)
+        target_word = np.where(heads > 0, heads - 1, own if self.root == "self" else -1)
+        target_word = np.where(heads >= 0, target_word, -1)
+        target = np.where(target_word >= 0, tokens.first_piece[sentence, np.maximum(target_word, 0)], -1)
+        query_word = self._query_words(tokens)
+        return np.where(query_word >= 0, target[sentence, np.maximum(query_word, 0)], -1)
 
-    def _dense(self, prior: np.ndarray, alignment: Alignment) -> np.ndarray:
-        token_word = alignment.token_word
-        pieces = alignment.pieces
+    def _dense(self, prior: np.ndarray, tokens: _Tokens) -> np.ndarray:
+        sentence = np.arange(len(prior))[:, None]
+        word = np.maximum(tokens.word, 0)
         if self.key_pieces == "spread":
-            key_weight = np.where(token_word >= 0, 1.0 / np.maximum(pieces[np.maximum(token_word, 0)], 1), 0.0)
+            key_weight = np.where(tokens.word >= 0, 1.0 / np.maximum(tokens.pieces[sentence, word], 1), 0.0)
         else:
-            key_weight = np.zeros(len(token_word))
-            key_weight[alignment.first_piece[alignment.first_piece >= 0]] = 1.0
-        prior = prior * (pieces > 0)[None, :]  # no mass on dropped words
-        query_word = self._query_words(alignment)
-        rows = prior[np.maximum(query_word, 0)][:, np.maximum(token_word, 0)]
-        rows *= key_weight[None, :].astype(np.float32)
+            key_weight = np.zeros(tokens.word.shape)
+            first_sentence, first_word = np.nonzero(tokens.first_piece >= 0)
+            key_weight[first_sentence, tokens.first_piece[first_sentence, first_word]] = 1.0
+        query_word = self._query_words(tokens)
+        # Keys of special tokens, padding and dropped words have weight 0, so they get no mass.
+        rows = prior[sentence[:, :, None], np.maximum(query_word, 0)[:, :, None], word[:, None, :]]
+        rows *= key_weight[:, None, :].astype(np.float32)
         rows[query_word < 0] = 0.0
         return _normalize_rows(rows)
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """The alignments of a batch as arrays: `word` `[B, T]` (`token_word`), `pieces` and
+    `first_piece` `[B, N]` (0 and -1 for dropped and padding words)."""
+
+    word: np.ndarray
+    pieces: np.ndarray
+    first_piece: np.ndarray
+
+    @classmethod
+    def of(cls, alignments: Sequence[Alignment], num_words: int) -> _Tokens:
+        lengths = {len(alignment.token_word) for alignment in alignments}
+        if len(lengths) > 1:
+            raise ValueError(f"alignments of one batch must cover the same number of tokens, got {sorted(lengths)}")
+        word = np.stack([alignment.token_word for alignment in alignments]).reshape(len(alignments), -1)
+        sentence, token = np.nonzero(word >= 0)
+        flat = sentence * num_words + word[sentence, token]
+        pieces = np.bincount(flat, minlength=len(alignments) * num_words).reshape(-1, num_words)
+        first_piece = np.full(len(alignments) * num_words, -1, dtype=np.int64)
+        first_piece[flat[::-1]] = token[::-1]  # reversed: each word keeps its smallest token index
+        return cls(word, pieces, first_piece.reshape(-1, num_words))
 
 
 def _normalize_rows(rows: np.ndarray) -> np.ndarray:
