@@ -25,9 +25,13 @@ tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every f
   (the callback's own removal at the end of fit is the 50% point; the threshold |g| < 0.1 is reported too).
 - (c) `hard_concrete`: fine-tuning with `HeadGating(kind="hard_concrete", keep=k)`, CoFi's Lagrangian
   pulling the expected number of open heads to `k` (target moving from 72 over the first half), then
-  removal of all but the `k` largest gates at the end of fit; one fine-tune per `k` in `--keeps`.
+  removal of all but the `k` largest gates at the end of fit (or at `--hc-prune-at` of training, the
+  rest of it fine-tuning the pruned model); one fine-tune per `k` in `--keeps`.
 - (d) `progressive`: fine-tuning with `HeadGating(kind="l1", milestones=...)`: heads removed at 40%, 55%
   and 70% of training down to 58, 47 and 36, and 30% of training left to recover at the final size.
+- (e) `retrain`: (a)'s heads removed physically from the baseline at each of `--retrain-removed`, then a
+  recovery fine-tune of `--retrain-epochs` at `--retrain-lr` (warmup then decay); the unpruned baseline
+  gets the same extra fine-tune as a control (its `heads_removed` 0 point), so the gap is paired.
 
 Targets (issue 4, after Michel et al.): at least 40% of heads removed within 0.5 accuracy points of the
 unpruned model, and at least 50% within 1 point. (a) and (b) prune the very same fine-tuned weights
@@ -67,7 +71,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MAX_TOKENS = 64
 FRACTIONS = [round(0.1 * k, 1) for k in range(10)]  # 0% .. 90% of the heads removed
 PROGRESSIVE = [(0.4, 58), (0.55, 47), (0.7, 36)]
-METHODS = ("importance", "l1", "hard_concrete", "progressive")
+METHODS = ("importance", "l1", "hard_concrete", "progressive", "retrain")
 
 
 class GatedClassifier(SequenceClassifier):
@@ -137,15 +141,25 @@ def accuracy(model: torch.nn.Module, dev: list[dict[str, torch.Tensor]]) -> floa
     return correct / total
 
 
-def fine_tune(directory: Path, train: list[dict], args, callbacks=(), gate_lr: float | None = None):
-    """One fine-tune from the pretrained weights; returns (model, seconds)."""
+def fine_tune(
+    directory: Path,
+    train: list[dict],
+    args,
+    callbacks=(),
+    gate_lr: float | None = None,
+    model: torch.nn.Module | None = None,
+    epochs: int | None = None,
+    lr: float | None = None,
+):
+    """One fine-tune, from the pretrained weights or of `model`; returns (model, seconds)."""
     L.seed_everything(args.seed, verbose=False)
-    model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2)
+    if model is None:
+        model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2)
     model.train()  # from_pretrained returns eval mode, and Lightning 2.6 keeps it
-    options = dict(lr=args.lr, weight_decay=0.01, warmup=0.1)
+    options = dict(lr=args.lr if lr is None else lr, weight_decay=0.01, warmup=0.1)
     module = GatedClassifier(model, gate_lr, **options) if gate_lr is not None else SequenceClassifier(model, **options)
     trainer = L.Trainer(
-        max_epochs=args.epochs,
+        max_epochs=args.epochs if epochs is None else epochs,
         max_steps=args.max_steps or -1,
         accelerator="cpu",
         logger=False,
@@ -200,14 +214,16 @@ def run(args) -> dict:
     base_accuracy = dev_accuracy(baseline)
     runs["unpruned"] = {"train_s": seconds, "parameters": pruning.count_parameters(baseline)}
     print(f"unpruned: accuracy {base_accuracy:.4f} ({seconds:.0f} s)", flush=True)
-    if "importance" in args.methods:
+    if "importance" in args.methods or "retrain" in args.methods:
         started = time.perf_counter()
         curve = pruning.iterative_pruning(baseline, importance, dev_accuracy, stop_ratio=0.0, apply=False)
         runs["importance"] = {"prune_s": time.perf_counter() - started}
         for step in curve:
-            if step.heads_removed / total < 0.95:
+            if step.heads_removed / total < 0.95 and "importance" in args.methods:
                 points.append(point("importance", total, step.heads_removed, step.metric))
         print("importance: " + ", ".join(f"{p['heads_removed']} {p['accuracy']:.4f}" for p in points), flush=True)
+        if "retrain" in args.methods:
+            retrain_runs(directory, train, args, total, baseline, curve, dev_accuracy, points, runs)
 
     if "l1" in args.methods:
         l1_run(directory, train, args, total, dev_accuracy, points, runs)
@@ -250,26 +266,52 @@ def l1_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, p
     )
 
 
+class GateTrace(L.Callback):
+    """Placed before HeadGating: every 10 steps while hard-concrete gates exist, the target, the expected
+    number of open heads, the deterministic gates above 0 and above 0.5, and the multipliers; `last`
+    is the state just before the removal."""
+
+    def __init__(self, gating: HeadGating) -> None:
+        self.gating, self.trace, self.last = gating, [], None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        hub = attnreg.hub_of(pl_module.model)
+        gates = [gate for layer in sorted(hub.gates) if (gate := pruning.hard_concrete(hub, layer)) is not None]
+        if self.gating.pruned or not gates:
+            return
+        with torch.no_grad():
+            deterministic = torch.cat([gate.deterministic() for gate in gates])
+            expected = float(torch.cat([gate.expected_l0() for gate in gates]).sum())
+        self.last = {
+            "step": trainer.global_step,
+            "target": round(self.gating.target(), 2),
+            "expected": round(expected, 2),
+            "open": int((deterministic > 0).sum()),
+            "above_half": int((deterministic > 0.5).sum()),
+            "lambdas": [round(value, 4) for value in self.gating.lambdas.tolist()],
+        }
+        if trainer.global_step % 10 == 0:
+            self.trace.append(self.last)
+
+
 def hard_concrete_runs(directory: Path, train: list[dict], args, total: int, dev_accuracy, points, runs) -> None:
     """(c) hard-concrete gates with a target number of heads, one fine-tune per target."""
     for keep in args.keeps:
-        snapshot = GatedSnapshot()
-        gating = HeadGating(kind="hard_concrete", keep=keep, target_warmup=0.5)
-        pruned, seconds = fine_tune(directory, train, args, [snapshot, gating], gate_lr=args.hc_gate_lr)
+        if args.hc_prune_at < 1.0:  # remove the heads there and fine-tune the rest at their final size
+            gating = HeadGating(kind="hard_concrete", milestones=[(args.hc_prune_at, keep)], target_warmup=0.5)
+        else:
+            gating = HeadGating(kind="hard_concrete", keep=keep, target_warmup=0.5)
+        trace = GateTrace(gating)
+        pruned, seconds = fine_tune(directory, train, args, [trace, gating], gate_lr=args.hc_gate_lr)
         acc = dev_accuracy(pruned)
-        hub = attnreg.hub_of(snapshot.model)
-        gates = [pruning.hard_concrete(hub, layer) for layer in sorted(hub.gates)]
-        deterministic = torch.cat([gate.deterministic().detach() for gate in gates])
-        expected = float(torch.cat([gate.expected_l0().detach() for gate in gates]).sum())
         runs[f"hard_concrete_{keep}"] = {
             "train_s": seconds,
-            "expected_heads_at_end": expected,
-            "open_gates_at_end": int((deterministic > 0).sum()),
-            "lambdas": gating.lambdas.tolist(),
+            "before_removal": trace.last,
+            "trace": trace.trace,
             "heads_per_layer": [info.num_heads for info in attnreg.attach(pruned).layers],
         }
         points.append(point("hard_concrete", total, total - heads_of(pruned), acc))
-        print(f"hard_concrete keep {keep}: accuracy {acc:.4f}, expected heads {expected:.1f} ({seconds:.0f} s)")
+        print(f"hard_concrete keep {keep}: accuracy {acc:.4f}, before removal {trace.last} ({seconds:.0f} s)")
 
 
 def progressive_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, points, runs) -> None:
@@ -285,6 +327,25 @@ def progressive_run(directory: Path, train: list[dict], args, total: int, dev_ac
     }
     points.append(point("progressive", total, total - heads_of(pruned), acc))
     print(f"progressive to {PROGRESSIVE[-1][1]} heads: accuracy {acc:.4f} ({seconds:.0f} s)", flush=True)
+
+
+def retrain_runs(directory, train, args, total, baseline, curve, dev_accuracy, points, runs) -> None:
+    """(e) (a)'s heads removed physically, then a recovery fine-tune; the unpruned control gets the same."""
+    runs["retrain"] = {"epochs": args.retrain_epochs, "lr": args.retrain_lr}
+    by_count = {step.heads_removed: step for step in curve}
+    for removed in [0, *args.retrain_removed]:
+        model = copy.deepcopy(baseline)
+        if removed:
+            step = by_count.get(removed)
+            if step is None:
+                raise SystemExit(f"--retrain-removed {removed}: the importance curve has {sorted(by_count)}")
+            pruning.prune_heads(model, {layer: list(heads) for layer, heads in step.removed.items()})
+        before = dev_accuracy(model)
+        model, seconds = fine_tune(directory, train, args, model=model, epochs=args.retrain_epochs, lr=args.retrain_lr)
+        acc = dev_accuracy(model)
+        points.append(point("retrain", total, removed, acc, before_retraining=before))
+        runs["retrain"][str(removed)] = {"train_s": seconds, "before": before, "after": acc}
+        print(f"retrain: {removed} heads removed, {before:.4f} -> {acc:.4f} ({seconds:.0f} s)", flush=True)
 
 
 def targets(results: dict) -> dict:
@@ -320,6 +381,7 @@ def plot(results: dict, path: Path) -> None:
         "l1": dict(marker="s", label="(b) L1 gates, then removal"),
         "hard_concrete": dict(marker="^", linestyle="none", markersize=9, label="(c) hard-concrete, target"),
         "progressive": dict(marker="*", linestyle="none", markersize=12, label="(d) progressive L1"),
+        "retrain": dict(marker="D", linestyle="--", label="(e) importance, then a recovery fine-tune"),
     }
     for method, style in styles.items():
         points = sorted((p for p in results["points"] if p["method"] == method), key=lambda p: p["heads_removed"])
@@ -373,6 +435,28 @@ def markdown(results: dict) -> str:
             f"L1 gates below {l1['threshold']} at the end: {l1['threshold_heads_removed']} heads, removing them "
             f"gives {100 * l1['threshold_accuracy']:.2f}.",
         ]
+    for name, run in results["runs"].items():
+        last = run.get("before_removal") if name.startswith("hard_concrete") else None
+        if last:
+            lines += [
+                "",
+                f"{name}, just before the removal (step {last['step']}): expected open heads {last['expected']:.1f} "
+                f"for a target of {last['target']:.0f}; deterministic gates above 0: {last['open']}, above 0.5: "
+                f"{last['above_half']}; multipliers {last['lambdas']}.",
+            ]
+    retrain = results["runs"].get("retrain")
+    if retrain:
+        control = retrain["0"]["after"]
+        gaps = ", ".join(
+            f"{key} removed {100 * (run['after'] - control):+.2f}"
+            for key, run in retrain.items()
+            if key.isdigit() and key != "0"
+        )
+        lines += [
+            "",
+            f"(e) recovery fine-tune: {retrain['epochs']} epoch(s) at lr {retrain['lr']}; the unpruned model given the "
+            f"same fine-tune (the control) scores {100 * control:.2f}; against it: {gaps}.",
+        ]
     lines += [
         "",
         "| method | most removed within 0.5 point | within 1 point | >= 40% within 0.5 | >= 50% within 1 |",
@@ -407,8 +491,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--l1-weight", type=float, default=1.0, help="L1 penalty weight on the mean |g|")
     parser.add_argument("--l1-gate-lr", type=float, default=0.01)
     parser.add_argument("--hc-gate-lr", type=float, default=0.05)
+    parser.add_argument(
+        "--hc-prune-at", type=float, default=1.0, help="(c): remove heads at this share of training (1: at the end)"
+    )
     parser.add_argument("--threshold", type=float, default=0.1, help="L1: also report removing |g| below this")
     parser.add_argument("--keeps", type=int, nargs="+", default=[43, 36], help="hard-concrete targets (heads kept)")
+    parser.add_argument("--retrain-removed", type=int, nargs="+", default=[29, 36], help="(e): heads removed")
+    parser.add_argument("--retrain-epochs", type=int, default=1, help="(e): recovery fine-tune epochs")
+    parser.add_argument("--retrain-lr", type=float, default=5e-5, help="(e): recovery fine-tune learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="besides the unpruned baseline"
