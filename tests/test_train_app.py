@@ -287,3 +287,12 @@ def test_hub_model_without_a_name_is_a_missing_value():
     cfg = composed("model=hub")
     with pytest.raises(Exception, match="name_or_path"):
         cfg.model.name_or_path  # noqa: B018
+
+
+def test_cola_preset_ramps_the_prior_weight_in_over_the_first_half():
+    cfg = composed("experiment=cola_minilm")
+    prior = instantiate(cfg.attnreg.syntax_kl, _convert_="all")
+    assert [prior.schedule(progress) for progress in (0.0, 0.25, 0.5, 1.0)] == pytest.approx([0.0, 0.02, 0.04, 0.04])
+    assert cfg.trainer.max_epochs == 2
+    swept = instantiate(composed("experiment=cola_minilm", "attnreg.syntax_kl.weight=0.1").attnreg.syntax_kl)
+    assert swept.schedule(0.25) == pytest.approx(0.1)  # a sweep may still set a plain number
