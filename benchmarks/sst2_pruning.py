@@ -329,7 +329,17 @@ def progressive_run(directory: Path, train: list[dict], args, total: int, dev_ac
     print(f"progressive to {PROGRESSIVE[-1][1]} heads: accuracy {acc:.4f} ({seconds:.0f} s)", flush=True)
 
 
-def retrain_runs(directory, train, args, total, baseline, curve, dev_accuracy, points, runs) -> None:
+def retrain_runs(
+    directory: Path,
+    train: list[dict],
+    args,
+    total: int,
+    baseline: torch.nn.Module,
+    curve: list[pruning.PruningStep],
+    dev_accuracy,
+    points: list,
+    runs: dict,
+) -> None:
     """(e) (a)'s heads removed physically, then a recovery fine-tune; the unpruned control gets the same."""
     runs["retrain"] = {"epochs": args.retrain_epochs, "lr": args.retrain_lr}
     by_count = {step.heads_removed: step for step in curve}
@@ -496,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threshold", type=float, default=0.1, help="L1: also report removing |g| below this")
     parser.add_argument("--keeps", type=int, nargs="+", default=[43, 36], help="hard-concrete targets (heads kept)")
-    parser.add_argument("--retrain-removed", type=int, nargs="+", default=[29, 36], help="(e): heads removed")
+    parser.add_argument("--retrain-removed", type=int, nargs="+", default=[29, 36, 43], help="(e): heads removed")
     parser.add_argument("--retrain-epochs", type=int, default=1, help="(e): recovery fine-tune epochs")
     parser.add_argument("--retrain-lr", type=float, default=5e-5, help="(e): recovery fine-tune learning rate")
     parser.add_argument("--seed", type=int, default=0)
