@@ -19,6 +19,7 @@ import torch
 import torchmetrics
 from transformers import PreTrainedModel, get_linear_schedule_with_warmup
 
+from attnreg.distill import check_distillation, distillation_loss
 from attnreg.mixin import AttnRegMixin
 
 
@@ -32,7 +33,7 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
         super().__init__()
         self.model = model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes
         self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
-        self.save_hyperparameters(ignore=["model"])
+        self.save_hyperparameters(ignore=["model", "teacher"])  # modules, not hyperparameters (Distiller's teacher)
         classes = model.config.num_labels
         task = "binary" if classes == 2 else "multiclass"
         self.val_acc = torchmetrics.Accuracy(task=task, num_classes=classes)
@@ -71,3 +72,47 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_linear_schedule_with_warmup(optimizer, int(self.warmup * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Distiller(SequenceClassifier):
+    """Trains `model` to match a frozen `teacher` (`attnreg.distill.distillation_loss`) instead of the
+    labels, which training batches need not have; validation still scores against the labels.
+
+    The teacher is kept outside the module: it is not optimized or checkpointed, and it moves to the
+    module's device when fit starts. Logs `train/loss`.
+
+    Example:
+        >>> pruned = copy.deepcopy(model)
+        >>> attnreg.pruning.prune_heads(pruned, {0: [1, 2], 3: [0]})
+        >>> lightning.Trainer(max_epochs=1).fit(Distiller(pruned, teacher=model), unlabeled_loader)
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        teacher: PreTrainedModel,
+        temperature: float = 2.0,
+        hidden_weight: float = 1.0,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        warmup: float = 0.1,
+    ):
+        check_distillation(temperature, hidden_weight)
+        super().__init__(model, lr=lr, weight_decay=weight_decay, warmup=warmup)
+        if teacher is model:
+            raise ValueError("teacher is the model being trained: pass a copy (e.g. the unpruned model)")
+        self.teachers = [teacher.eval()]  # a list: not a submodule
+        self.temperature, self.hidden_weight = temperature, hidden_weight
+
+    def on_fit_start(self) -> None:
+        self.teachers[0].to(self.device)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        inputs = {key: value for key, value in self.model_inputs(batch).items() if key != "labels"}
+        hidden = self.hidden_weight > 0
+        with torch.no_grad():
+            target = self.teachers[0](**inputs, output_hidden_states=hidden)
+        output = self.model(**inputs, output_hidden_states=hidden)
+        loss = distillation_loss(output, target, inputs.get("attention_mask"), self.temperature, self.hidden_weight)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        return loss

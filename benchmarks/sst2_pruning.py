@@ -32,6 +32,14 @@ tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every f
 - (e) `retrain`: (a)'s heads removed physically from the baseline at each of `--retrain-removed`, then a
   recovery fine-tune of `--retrain-epochs` at `--retrain-lr` (warmup then decay); the unpruned baseline
   gets the same extra fine-tune as a control (its `heads_removed` 0 point), so the gap is paired.
+- (f) `distill`: (a)'s heads removed physically from the baseline at each of `--distill-removed`, then
+  recovery by knowledge distillation from the unpruned baseline (the teacher) on `--distill` further
+  SST-2 training sentences, used without their labels (`attnreg.modules.Distiller`): the KL divergence
+  of the softened class distributions (temperature `--distill-temperature`) plus `--distill-hidden` x
+  the mean squared difference of every layer's hidden states (TinyBERT's and CoFi's layer
+  distillation; the pruned model keeps the teacher's layers, so layer l matches layer l). No gold
+  label is seen after the baseline's fine-tune, so the gap to the unpruned model measures what the
+  heads' removal costs.
 
 Targets (issue 4, after Michel et al.): at least 40% of heads removed within 0.5 accuracy points of the
 unpruned model, and at least 50% within 1 point. (a) and (b) prune the very same fine-tuned weights
@@ -62,7 +70,7 @@ import attnreg
 from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating
 from attnreg.datasets import read_sst2
-from attnreg.modules import SequenceClassifier
+from attnreg.modules import Distiller, SequenceClassifier
 from attnreg.schedules import Constant, Warmup
 from attnreg.train import minilm_directory
 
@@ -71,7 +79,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MAX_TOKENS = 64
 FRACTIONS = [round(0.1 * k, 1) for k in range(10)]  # 0% .. 90% of the heads removed
 PROGRESSIVE = [(0.4, 58), (0.55, 47), (0.7, 36)]
-METHODS = ("importance", "l1", "hard_concrete", "progressive", "retrain")
+METHODS = ("importance", "l1", "hard_concrete", "progressive", "retrain", "distill")
 
 
 class GatedClassifier(SequenceClassifier):
@@ -150,14 +158,21 @@ def fine_tune(
     model: torch.nn.Module | None = None,
     epochs: int | None = None,
     lr: float | None = None,
+    teacher: torch.nn.Module | None = None,
 ):
-    """One fine-tune, from the pretrained weights or of `model`; returns (model, seconds)."""
+    """One fine-tune, from the pretrained weights or of `model` (distilled from `teacher` if given);
+    returns (model, seconds)."""
     L.seed_everything(args.seed, verbose=False)
     if model is None:
         model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2)
     model.train()  # from_pretrained returns eval mode, and Lightning 2.6 keeps it
     options = dict(lr=args.lr if lr is None else lr, weight_decay=0.01, warmup=0.1)
-    module = GatedClassifier(model, gate_lr, **options) if gate_lr is not None else SequenceClassifier(model, **options)
+    if teacher is not None:
+        module = Distiller(model, teacher, args.distill_temperature, args.distill_hidden, **options)
+    elif gate_lr is not None:
+        module = GatedClassifier(model, gate_lr, **options)
+    else:
+        module = SequenceClassifier(model, **options)
     trainer = L.Trainer(
         max_epochs=args.epochs if epochs is None else epochs,
         max_steps=args.max_steps or -1,
@@ -198,6 +213,10 @@ def run(args) -> dict:
     chosen = random.Random(1234).sample(range(len(sentences)), args.train + args.importance)
     train_ids, importance_ids = chosen[: args.train], chosen[args.train :]
     train = batches(tokenizer, [sentences[i] for i in train_ids], [labels[i] for i in train_ids], args.batch)
+    unused = sorted(set(range(len(sentences))) - set(chosen))
+    distill_ids = random.Random(5678).sample(unused, args.distill) if "distill" in args.methods else []
+    unlabeled = [0] * len(distill_ids)  # placeholders: Distiller never reads the labels
+    distill = batches(tokenizer, [sentences[i] for i in distill_ids], unlabeled, args.batch)
     importance = batches(tokenizer, [sentences[i] for i in importance_ids], [labels[i] for i in importance_ids], 64)
     dev_sentences, dev_labels = read_sst2(DATA, "dev")
     dev_sentences, dev_labels = dev_sentences[: args.dev], dev_labels[: args.dev]
@@ -209,21 +228,29 @@ def run(args) -> dict:
     points, runs = [], {}
 
     # the unpruned baseline, and (a) importance-based pruning of it without retraining
-    baseline, seconds = fine_tune(directory, train, args)
+    cached = read_cache(args)
+    if cached:
+        baseline, seconds, curve = cached
+    else:
+        baseline, seconds = fine_tune(directory, train, args)
     total = heads_of(baseline)
     base_accuracy = dev_accuracy(baseline)
     runs["unpruned"] = {"train_s": seconds, "parameters": pruning.count_parameters(baseline)}
     print(f"unpruned: accuracy {base_accuracy:.4f} ({seconds:.0f} s)", flush=True)
-    if "importance" in args.methods or "retrain" in args.methods:
-        started = time.perf_counter()
-        curve = pruning.iterative_pruning(baseline, importance, dev_accuracy, stop_ratio=0.0, apply=False)
-        runs["importance"] = {"prune_s": time.perf_counter() - started}
+    if {"importance", "retrain", "distill"} & set(args.methods):
+        if not cached:
+            started = time.perf_counter()
+            curve = pruning.iterative_pruning(baseline, importance, dev_accuracy, stop_ratio=0.0, apply=False)
+            runs["importance"] = {"prune_s": time.perf_counter() - started}
+            write_cache(args, baseline, seconds, curve)
         for step in curve:
             if step.heads_removed / total < 0.95 and "importance" in args.methods:
                 points.append(point("importance", total, step.heads_removed, step.metric))
         print("importance: " + ", ".join(f"{p['heads_removed']} {p['accuracy']:.4f}" for p in points), flush=True)
         if "retrain" in args.methods:
             retrain_runs(directory, train, args, total, baseline, curve, dev_accuracy, points, runs)
+        if "distill" in args.methods:
+            distill_runs(directory, distill, args, total, baseline, curve, dev_accuracy, points, runs)
 
     if "l1" in args.methods:
         l1_run(directory, train, args, total, dev_accuracy, points, runs)
@@ -232,6 +259,36 @@ def run(args) -> dict:
     if "progressive" in args.methods:
         progressive_run(directory, train, args, total, dev_accuracy, points, runs)
     return {"total_heads": total, "unpruned_accuracy": base_accuracy, "points": points, "runs": runs}
+
+
+CACHED = ("seed", "train", "importance", "dev", "epochs", "max_steps", "batch", "lr")  # what the cache depends on
+
+
+def write_cache(args, baseline: torch.nn.Module, seconds: float, curve: list[pruning.PruningStep]) -> None:
+    """With `--reuse DIR`: the baseline fine-tune and its importance curve, for later runs to start from."""
+    if args.reuse is None:
+        return
+    baseline.save_pretrained(args.reuse / "baseline")
+    steps = [{"heads_removed": s.heads_removed, "metric": s.metric, "removed": s.removed} for s in curve]
+    settings = {key: getattr(args, key) for key in CACHED}
+    (args.reuse / "curve.json").write_text(json.dumps({"settings": settings, "train_s": seconds, "curve": steps}))
+
+
+def read_cache(args) -> tuple[torch.nn.Module, float, list[pruning.PruningStep]] | None:
+    """The baseline and curve `write_cache` left in `--reuse DIR`, if there; an error if made with other settings."""
+    if args.reuse is None or not (args.reuse / "curve.json").is_file():
+        return None
+    cache = json.loads((args.reuse / "curve.json").read_text())
+    wanted = {key: getattr(args, key) for key in CACHED}
+    if cache["settings"] != wanted:
+        raise SystemExit(f"--reuse {args.reuse}: made with {cache['settings']}, this run has {wanted}")
+    model = AutoModelForSequenceClassification.from_pretrained(args.reuse / "baseline").eval()
+    curve = [
+        pruning.PruningStep(s["heads_removed"], s["metric"], {int(k): tuple(v) for k, v in s["removed"].items()})
+        for s in cache["curve"]
+    ]
+    print(f"reusing the baseline and importance curve in {args.reuse}", flush=True)
+    return model, cache["train_s"], curve
 
 
 def l1_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, points: list, runs: dict) -> None:
@@ -358,6 +415,42 @@ def retrain_runs(
         print(f"retrain: {removed} heads removed, {before:.4f} -> {acc:.4f} ({seconds:.0f} s)", flush=True)
 
 
+def distill_runs(
+    directory: Path,
+    distill: list[dict],
+    args,
+    total: int,
+    baseline: torch.nn.Module,
+    curve: list[pruning.PruningStep],
+    dev_accuracy,
+    points: list,
+    runs: dict,
+) -> None:
+    """(f) (a)'s heads removed physically, then distillation from the unpruned baseline on unlabeled sentences."""
+    runs["distill"] = {
+        "sentences": sum(len(batch["labels"]) for batch in distill),
+        "epochs": args.distill_epochs,
+        "lr": args.distill_lr,
+        "temperature": args.distill_temperature,
+        "hidden_weight": args.distill_hidden,
+    }
+    by_count = {step.heads_removed: step for step in curve}
+    for removed in args.distill_removed:
+        step = by_count.get(removed)
+        if step is None:
+            raise SystemExit(f"--distill-removed {removed}: the importance curve has {sorted(by_count)}")
+        model = copy.deepcopy(baseline)
+        pruning.prune_heads(model, {layer: list(heads) for layer, heads in step.removed.items()})
+        before = dev_accuracy(model)
+        model, seconds = fine_tune(
+            directory, distill, args, model=model, epochs=args.distill_epochs, lr=args.distill_lr, teacher=baseline
+        )
+        acc = dev_accuracy(model)
+        points.append(point("distill", total, removed, acc, before_distillation=before))
+        runs["distill"][str(removed)] = {"train_s": seconds, "before": before, "after": acc}
+        print(f"distill: {removed} heads removed, {before:.4f} -> {acc:.4f} ({seconds:.0f} s)", flush=True)
+
+
 def targets(results: dict) -> dict:
     """Per method, the most heads removed within 0.5 and within 1 point of the unpruned accuracy."""
     base, total = results["unpruned_accuracy"], results["total_heads"]
@@ -392,6 +485,7 @@ def plot(results: dict, path: Path) -> None:
         "hard_concrete": dict(marker="^", linestyle="none", markersize=9, label="(c) hard-concrete, target"),
         "progressive": dict(marker="*", linestyle="none", markersize=12, label="(d) progressive L1"),
         "retrain": dict(marker="D", linestyle="--", label="(e) importance, then a recovery fine-tune"),
+        "distill": dict(marker="P", linestyle="-.", markersize=9, label="(f) importance, then distillation"),
     }
     for method, style in styles.items():
         points = sorted((p for p in results["points"] if p["method"] == method), key=lambda p: p["heads_removed"])
@@ -467,6 +561,20 @@ def markdown(results: dict) -> str:
             f"(e) recovery fine-tune: {retrain['epochs']} epoch(s) at lr {retrain['lr']}; the unpruned model given the "
             f"same fine-tune (the control) scores {100 * control:.2f}; against it: {gaps}.",
         ]
+    distill = results["runs"].get("distill")
+    if distill:
+        lines += [
+            "",
+            f"(f) distillation: {distill['sentences']} unlabeled SST-2 training sentences (not among the fine-tune's), "
+            f"{distill['epochs']} epoch(s) at lr {distill['lr']}, temperature {distill['temperature']}, hidden-state "
+            f"weight {distill['hidden_weight']}; before -> after: "
+            + ", ".join(
+                f"{key} removed {100 * run['before']:.2f} -> {100 * run['after']:.2f}"
+                for key, run in distill.items()
+                if key.isdigit()
+            )
+            + ".",
+        ]
     lines += [
         "",
         "| method | most removed within 0.5 point | within 1 point | >= 40% within 0.5 | >= 50% within 1 |",
@@ -509,16 +617,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retrain-removed", type=int, nargs="+", default=[29, 36, 43], help="(e): heads removed")
     parser.add_argument("--retrain-epochs", type=int, default=1, help="(e): recovery fine-tune epochs")
     parser.add_argument("--retrain-lr", type=float, default=5e-5, help="(e): recovery fine-tune learning rate")
+    parser.add_argument("--distill", type=int, default=8000, help="(f): unlabeled sentences to distill on")
+    parser.add_argument("--distill-removed", type=int, nargs="+", default=[29, 36, 43], help="(f): heads removed")
+    parser.add_argument("--distill-epochs", type=int, default=1, help="(f): distillation epochs")
+    parser.add_argument("--distill-lr", type=float, default=5e-5, help="(f): distillation learning rate")
+    parser.add_argument("--distill-temperature", type=float, default=2.0, help="(f): softmax temperature")
+    parser.add_argument("--distill-hidden", type=float, default=1.0, help="(f): weight of the hidden-state term")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="besides the unpruned baseline"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        help="a folder for the baseline fine-tune and its importance curve: written by the first run, read by later "
+        "ones with the same settings (the figures are the same: each fine-tune is seeded)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)  # several multi-threaded processes on a shared machine stall each other
     if args.quick:
         args.train, args.importance, args.dev, args.max_steps, args.batch = 64, 32, 64, 4, 16
+        args.distill = 64
     if not (DATA / "train.tsv").is_file():
         raise SystemExit(f"SST-2 not found in {DATA} (GLUE format: train.tsv, dev.tsv)")
     started = time.perf_counter()
