@@ -10,7 +10,7 @@ Example:
     >>> with torch.no_grad():
     ...     target = teacher(**inputs, output_hidden_states=True)
     >>> output = student(**inputs, output_hidden_states=True)
-    >>> loss = distillation_loss(output, target, inputs["attention_mask"])
+    >>> loss = distillation_loss(output, target, inputs["attention_mask"], hidden_weight=1.0)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def distillation_loss(
     teacher: Any,
     attention_mask: torch.Tensor | None = None,
     temperature: float = 2.0,
-    hidden_weight: float = 1.0,
+    hidden_weight: float = 0.0,
 ) -> torch.Tensor:
     """`T^2 KL(teacher || student)` on the softened logits, plus `hidden_weight` x the hidden-state MSE.
 

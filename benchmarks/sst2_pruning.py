@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distill-epochs", type=int, default=1, help="(f): distillation epochs")
     parser.add_argument("--distill-lr", type=float, default=5e-5, help="(f): distillation learning rate")
     parser.add_argument("--distill-temperature", type=float, default=2.0, help="(f): softmax temperature")
-    parser.add_argument("--distill-hidden", type=float, default=1.0, help="(f): weight of the hidden-state term")
+    parser.add_argument("--distill-hidden", type=float, default=0.0, help="(f): weight of the hidden-state term")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--methods", nargs="+", default=list(METHODS), choices=METHODS, help="besides the unpruned baseline"

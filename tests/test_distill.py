@@ -28,7 +28,7 @@ MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
 
 def test_loss_is_zero_for_identical_outputs_and_matches_kl_plus_masked_mse():
     student, teacher = outputs(0), outputs(1)
-    assert distillation_loss(teacher, teacher, MASK).item() == pytest.approx(0.0, abs=1e-7)
+    assert distillation_loss(teacher, teacher, MASK, hidden_weight=1.0).item() == pytest.approx(0.0, abs=1e-7)
     t = 3.0
     kl = F.kl_div(F.log_softmax(student.logits / t, -1), F.softmax(teacher.logits / t, -1), reduction="batchmean")
     squared = []  # per layer, the mean over the real tokens of the mean over features
@@ -43,12 +43,13 @@ def test_loss_is_zero_for_identical_outputs_and_matches_kl_plus_masked_mse():
 
 def test_padded_tokens_and_the_embeddings_do_not_count():
     student, teacher = outputs(0), outputs(1)
-    before = distillation_loss(student, teacher, MASK)
+    before = distillation_loss(student, teacher, MASK, hidden_weight=1.0)
     changed = [h.clone() for h in student.hidden_states]
     changed[0] += 100.0  # the embeddings: pruning heads does not change them
     for h in changed[1:]:
         h[MASK == 0] = 1e4
-    after = distillation_loss(SimpleNamespace(logits=student.logits, hidden_states=tuple(changed)), teacher, MASK)
+    changed_output = SimpleNamespace(logits=student.logits, hidden_states=tuple(changed))
+    after = distillation_loss(changed_output, teacher, MASK, hidden_weight=1.0)
     torch.testing.assert_close(after, before)
 
 
@@ -73,7 +74,7 @@ def test_token_logits_of_a_causal_lm_are_averaged_over_real_tokens_only():
     ],
 )
 def test_bad_input_gets_a_clear_error(change, message):
-    arguments = dict(student=outputs(0), teacher=outputs(1), attention_mask=MASK) | change
+    arguments = dict(student=outputs(0), teacher=outputs(1), attention_mask=MASK, hidden_weight=1.0) | change
     with pytest.raises(ValueError, match=message):
         distillation_loss(**arguments)
 
@@ -86,8 +87,8 @@ def test_distiller_refuses_bad_options_before_training():
         Distiller(model, teacher=model)
 
 
-@pytest.mark.parametrize("family", ["bert", "llama"])
-def test_fit_pulls_a_pruned_model_back_toward_its_unpruned_teacher(family):
+@pytest.mark.parametrize(("family", "hidden_weight"), [("bert", 1.0), ("llama", 0.0)])
+def test_fit_pulls_a_pruned_model_back_toward_its_unpruned_teacher(family, hidden_weight):
     teacher = tiny_model(family, head="classification", layers=2, heads=4).eval()
     teacher.config.pad_token_id = 0
     student = copy.deepcopy(teacher)
@@ -103,10 +104,10 @@ def test_fit_pulls_a_pruned_model_back_toward_its_unpruned_teacher(family):
         with torch.no_grad():
             ours = student.eval()(**probe, output_hidden_states=True)
             theirs = teacher(**probe, output_hidden_states=True)
-        return distillation_loss(ours, theirs, probe["attention_mask"]).item()
+        return distillation_loss(ours, theirs, probe["attention_mask"], hidden_weight=hidden_weight).item()
 
     before = gap()
-    module = Distiller(student, teacher=teacher, lr=3e-3, warmup=0.0)
+    module = Distiller(student, teacher=teacher, hidden_weight=hidden_weight, lr=3e-3, warmup=0.0)
     fit(module, unlabeled)
     assert gap() < 0.85 * before  # unlabeled batches, no labels anywhere: only the teacher teaches
     assert all(torch.equal(value, teacher.state_dict()[name]) for name, value in teacher_weights.items())
