@@ -1,10 +1,13 @@
-"""SST-2 accuracy against the share of attention heads removed: the pretrained MiniLM (72 heads), four ways.
+"""SST-2 accuracy against the share of attention heads removed: the pretrained MiniLM (72 heads), six ways.
 
-Full run (from the repository root; five fine-tunes of 250 steps, 11 importance rounds and about 30
-dev evaluations: an estimated 20-30 minutes on 2 idle cores from the measured cost of a train step of
-this size, about 0.8 s; far longer on a busy machine):
+Full run (from the repository root; twelve fine-tunes or distillations of 125-250 steps, 11
+importance rounds and about 40 dev evaluations: about 100 minutes at one torch thread, measured in
+parts; one fine-tune of 250 steps takes 8-10 minutes, the baseline and its importance curve 16):
 
     .venv/bin/python benchmarks/sst2_pruning.py
+
+The baseline fine-tune and its importance curve can be kept for later runs of other methods:
+`--reuse DIR` writes them the first time and reads them after (the figures are the same).
 
 Smoke run (a few steps on a few sentences; the figures mean nothing):
 
@@ -38,8 +41,8 @@ tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every f
   of the softened class distributions (temperature `--distill-temperature`) plus `--distill-hidden` x
   the mean squared difference of every layer's hidden states (TinyBERT's and CoFi's layer
   distillation; the pruned model keeps the teacher's layers, so layer l matches layer l). No gold
-  label is seen after the baseline's fine-tune, so the gap to the unpruned model measures what the
-  heads' removal costs.
+  label is seen after the baseline's fine-tune. The unpruned baseline is distilled the same way as a
+  control (from itself: only dropout makes the two differ).
 
 Targets (issue 4, after Michel et al.): at least 40% of heads removed within 0.5 accuracy points of the
 unpruned model, and at least 50% within 1 point. (a) and (b) prune the very same fine-tuned weights
@@ -247,10 +250,9 @@ def run(args) -> dict:
             if step.heads_removed / total < 0.95 and "importance" in args.methods:
                 points.append(point("importance", total, step.heads_removed, step.metric))
         print("importance: " + ", ".join(f"{p['heads_removed']} {p['accuracy']:.4f}" for p in points), flush=True)
-        if "retrain" in args.methods:
-            retrain_runs(directory, train, args, total, baseline, curve, dev_accuracy, points, runs)
-        if "distill" in args.methods:
-            distill_runs(directory, distill, args, total, baseline, curve, dev_accuracy, points, runs)
+        for method, data in (("retrain", train), ("distill", distill)):
+            if method in args.methods:
+                recovery_runs(method, directory, data, args, total, baseline, curve, dev_accuracy, points, runs)
 
     if "l1" in args.methods:
         l1_run(directory, train, args, total, dev_accuracy, points, runs)
@@ -386,9 +388,10 @@ def progressive_run(directory: Path, train: list[dict], args, total: int, dev_ac
     print(f"progressive to {PROGRESSIVE[-1][1]} heads: accuracy {acc:.4f} ({seconds:.0f} s)", flush=True)
 
 
-def retrain_runs(
+def recovery_runs(
+    method: str,
     directory: Path,
-    train: list[dict],
+    data: list[dict],
     args,
     total: int,
     baseline: torch.nn.Module,
@@ -397,58 +400,36 @@ def retrain_runs(
     points: list,
     runs: dict,
 ) -> None:
-    """(e) (a)'s heads removed physically, then a recovery fine-tune; the unpruned control gets the same."""
-    runs["retrain"] = {"epochs": args.retrain_epochs, "lr": args.retrain_lr}
+    """(e) `retrain` and (f) `distill`: (a)'s heads removed physically from the baseline, then a recovery on
+    `data`: a fine-tune on the labels, or distillation from the baseline. The unpruned model gets the
+    same recovery first, as the control (its `heads_removed` 0 point)."""
+    distill = method == "distill"
+    if distill:
+        removed_counts, epochs, lr = args.distill_removed, args.distill_epochs, args.distill_lr
+        runs[method] = {
+            "sentences": sum(len(batch["labels"]) for batch in data),
+            "temperature": args.distill_temperature,
+            "hidden_weight": args.distill_hidden,
+        }
+    else:
+        removed_counts, epochs, lr = args.retrain_removed, args.retrain_epochs, args.retrain_lr
+        runs[method] = {}
+    runs[method] |= {"epochs": epochs, "lr": lr}
     by_count = {step.heads_removed: step for step in curve}
-    for removed in [0, *args.retrain_removed]:
-        model = copy.deepcopy(baseline)
-        if removed:
-            step = by_count.get(removed)
-            if step is None:
-                raise SystemExit(f"--retrain-removed {removed}: the importance curve has {sorted(by_count)}")
-            pruning.prune_heads(model, {layer: list(heads) for layer, heads in step.removed.items()})
-        before = dev_accuracy(model)
-        model, seconds = fine_tune(directory, train, args, model=model, epochs=args.retrain_epochs, lr=args.retrain_lr)
-        acc = dev_accuracy(model)
-        points.append(point("retrain", total, removed, acc, before_retraining=before))
-        runs["retrain"][str(removed)] = {"train_s": seconds, "before": before, "after": acc}
-        print(f"retrain: {removed} heads removed, {before:.4f} -> {acc:.4f} ({seconds:.0f} s)", flush=True)
-
-
-def distill_runs(
-    directory: Path,
-    distill: list[dict],
-    args,
-    total: int,
-    baseline: torch.nn.Module,
-    curve: list[pruning.PruningStep],
-    dev_accuracy,
-    points: list,
-    runs: dict,
-) -> None:
-    """(f) (a)'s heads removed physically, then distillation from the unpruned baseline on unlabeled sentences."""
-    runs["distill"] = {
-        "sentences": sum(len(batch["labels"]) for batch in distill),
-        "epochs": args.distill_epochs,
-        "lr": args.distill_lr,
-        "temperature": args.distill_temperature,
-        "hidden_weight": args.distill_hidden,
-    }
-    by_count = {step.heads_removed: step for step in curve}
-    for removed in args.distill_removed:
+    for removed in [0, *(count for count in removed_counts if count)]:
         step = by_count.get(removed)
         if step is None:
-            raise SystemExit(f"--distill-removed {removed}: the importance curve has {sorted(by_count)}")
+            raise SystemExit(f"--{method}-removed {removed}: the importance curve has {sorted(by_count)}")
         model = copy.deepcopy(baseline)
-        pruning.prune_heads(model, {layer: list(heads) for layer, heads in step.removed.items()})
+        if step.removed:
+            pruning.prune_heads(model, {layer: list(heads) for layer, heads in step.removed.items()})
         before = dev_accuracy(model)
-        model, seconds = fine_tune(
-            directory, distill, args, model=model, epochs=args.distill_epochs, lr=args.distill_lr, teacher=baseline
-        )
+        teacher = baseline if distill else None
+        model, seconds = fine_tune(directory, data, args, model=model, epochs=epochs, lr=lr, teacher=teacher)
         acc = dev_accuracy(model)
-        points.append(point("distill", total, removed, acc, before_distillation=before))
-        runs["distill"][str(removed)] = {"train_s": seconds, "before": before, "after": acc}
-        print(f"distill: {removed} heads removed, {before:.4f} -> {acc:.4f} ({seconds:.0f} s)", flush=True)
+        points.append(point(method, total, removed, acc, before_recovery=before))
+        runs[method][str(removed)] = {"train_s": seconds, "before": before, "after": acc}
+        print(f"{method}: {removed} heads removed, {before:.4f} -> {acc:.4f} ({seconds:.0f} s)", flush=True)
 
 
 def targets(results: dict) -> dict:
@@ -548,32 +529,26 @@ def markdown(results: dict) -> str:
                 f"for a target of {last['target']:.0f}; deterministic gates above 0: {last['open']}, above 0.5: "
                 f"{last['above_half']}; multipliers {last['lambdas']}.",
             ]
-    retrain = results["runs"].get("retrain")
-    if retrain:
-        control = retrain["0"]["after"]
-        gaps = ", ".join(
-            f"{key} removed {100 * (run['after'] - control):+.2f}"
-            for key, run in retrain.items()
+    for method, recovery in (("retrain", "(e) recovery fine-tune"), ("distill", "(f) distillation")):
+        run = results["runs"].get(method)
+        if not run:
+            continue
+        data = (
+            f"{run['sentences']} unlabeled SST-2 training sentences (not among the fine-tune's), temperature "
+            f"{run['temperature']}, hidden-state weight {run['hidden_weight']}; "
+            if method == "distill"
+            else ""
+        )
+        control = run["0"]["after"]
+        steps = ", ".join(
+            f"{key} removed {100 * r['before']:.2f} -> {100 * r['after']:.2f} ({100 * (r['after'] - control):+.2f})"
+            for key, r in run.items()
             if key.isdigit() and key != "0"
         )
         lines += [
             "",
-            f"(e) recovery fine-tune: {retrain['epochs']} epoch(s) at lr {retrain['lr']}; the unpruned model given the "
-            f"same fine-tune (the control) scores {100 * control:.2f}; against it: {gaps}.",
-        ]
-    distill = results["runs"].get("distill")
-    if distill:
-        lines += [
-            "",
-            f"(f) distillation: {distill['sentences']} unlabeled SST-2 training sentences (not among the fine-tune's), "
-            f"{distill['epochs']} epoch(s) at lr {distill['lr']}, temperature {distill['temperature']}, hidden-state "
-            f"weight {distill['hidden_weight']}; before -> after: "
-            + ", ".join(
-                f"{key} removed {100 * run['before']:.2f} -> {100 * run['after']:.2f}"
-                for key, run in distill.items()
-                if key.isdigit()
-            )
-            + ".",
+            f"{recovery}: {data}{run['epochs']} epoch(s) at lr {run['lr']}; the unpruned model given the same "
+            f"(the control) scores {100 * control:.2f}; before -> after (against the control): {steps}.",
         ]
     lines += [
         "",
@@ -620,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distill", type=int, default=8000, help="(f): unlabeled sentences to distill on")
     parser.add_argument("--distill-removed", type=int, nargs="+", default=[29, 36, 43], help="(f): heads removed")
     parser.add_argument("--distill-epochs", type=int, default=1, help="(f): distillation epochs")
-    parser.add_argument("--distill-lr", type=float, default=5e-5, help="(f): distillation learning rate")
+    parser.add_argument("--distill-lr", type=float, default=1e-4, help="(f): distillation learning rate")
     parser.add_argument("--distill-temperature", type=float, default=2.0, help="(f): softmax temperature")
     parser.add_argument("--distill-hidden", type=float, default=0.0, help="(f): weight of the hidden-state term")
     parser.add_argument("--seed", type=int, default=0)
