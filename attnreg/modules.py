@@ -107,6 +107,7 @@ class Distiller(SequenceClassifier):
         self.temperature, self.hidden_weight = temperature, hidden_weight
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()
         self.teachers[0].to(self.device)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
