@@ -1,17 +1,22 @@
 """The Hydra training app: `attnreg-train` fine-tunes a model with attnreg callbacks from `configs/`.
 
 With no arguments it fine-tunes a tiny random BERT on the built-in agreement task (`attnreg.task`)
-with the syntax prior on head 0 of every layer, then prints a summary: accuracy on held-out
+with the syntax prior on head 0 of every layer for 40 epochs. The pretrained models (`model=minilm`,
+`model=hub`) default to plain fine-tuning for 3 epochs instead: add a regularizer with `attnreg=...`.
+Experiment presets choose theirs through the `attnreg` group too, so `attnreg=none` on the command
+line always gives the baseline. A run first logs one line saying what is on (model, data, seed, length,
+each attnreg callback with its settings), then prints a summary at the end: accuracy on held-out
 sentences and on the hard split (2 distractor verbs), the supervised heads' parent accuracy,
 attention entropy per layer, and the heads pruned when pruning ran. Everything goes to Hydra's run
-folder: `metrics.csv` (or TensorBoard events), `checkpoints/best.ckpt`, `summary.json`, and
-`pruned_model/` when heads were removed.
+folder: `train.log`, `metrics.csv` (or TensorBoard events), `checkpoints/best.ckpt`, `summary.json`,
+and `pruned_model/` when heads were removed.
 
 Example:
     $ attnreg-train                                       # the default run (about 30 s on 2 cores)
     $ attnreg-train attnreg=none                          # the same without the prior
     $ attnreg-train -m attnreg.syntax_kl.weight=0,1 seed=0,1,2
-    $ attnreg-train model=minilm data=cola attnreg=[syntax_kl,entropy] trainer.max_epochs=3
+    $ attnreg-train experiment=cola_minilm attnreg=none   # a preset's baseline
+    $ attnreg-train model=minilm data=cola attnreg=[syntax_kl,entropy] trainer.max_steps=200
     $ attnreg-train trainer=ddp                           # 2 CPU processes (gloo)
 """
 
@@ -162,11 +167,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         torch.set_num_threads(cfg.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    callbacks = {
-        name: instantiate(node, _convert_="all")
-        for name, node in (cfg.get("attnreg") or {}).items()
-        if node is not None
-    }
+    callbacks = {name: instantiate(node, _convert_="all") for name, node in attnreg_settings(cfg).items()}
     needs_prior = any(isinstance(callback, SyntaxPriorKL) for callback in callbacks.values())
     tokenizer = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
     data = instantiate(cfg.data, tokenizer=tokenizer, with_prior=needs_prior)
@@ -180,6 +181,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     checkpoint = instantiate(cfg.checkpoint, dirpath=str(output_dir / "checkpoints"))
     logger = instantiate(cfg.logger, save_dir=str(output_dir)) if cfg.get("logger") else False
     trainer = instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks.values(), checkpoint])
+    log.info(describe_run(cfg, model, trainer, choices or {}))
 
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)
@@ -198,6 +200,60 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     return summary
+
+
+def attnreg_settings(cfg: DictConfig) -> dict[str, DictConfig]:
+    """{name: config node} of the attnreg callbacks that `cfg` turns on (a null node is off)."""
+    return {name: node for name, node in (cfg.get("attnreg") or {}).items() if node is not None}
+
+
+def describe_run(cfg: DictConfig, model: PreTrainedModel, trainer: L.Trainer, choices: Mapping[str, Any]) -> str:
+    """One line saying what a run is about to do: model, data, seed, length, each attnreg callback's settings.
+
+    Example:
+        attnreg-train: model tiny_bert (BertForSequenceClassification), data agreement, seed 0, 40 epochs;
+        attnreg: syntax_kl = SyntaxPriorKL(weight=1.0, heads=[0], head_reduction=mean_heads)
+    """
+    model_name = choices.get("model") or _short_name(cfg.model._target_)
+    source = f" from {cfg.model.name_or_path}" if "name_or_path" in cfg.model else ""
+    data_name = choices.get("data") or _short_name(cfg.data._target_)
+    settings = attnreg_settings(cfg)
+    attnreg = "; ".join(
+        f"{name} = {describe_settings(OmegaConf.to_container(node, resolve=True))}" for name, node in settings.items()
+    )
+    return (
+        f"attnreg-train: model {model_name} ({type(model).__name__}{source}), data {data_name}, seed {cfg.seed}, "
+        f"{training_length(trainer)}; attnreg: {attnreg or 'none'}"
+    )
+
+
+def describe_settings(value: Any) -> str:
+    """A config value on one line: `Name(key=value, ...)` for an instantiable node, its null settings left out."""
+    if isinstance(value, Mapping) and "_target_" in value:
+        settings = ", ".join(
+            f"{key}={describe_settings(item)}"
+            for key, item in value.items()
+            if not key.startswith("_") and item is not None
+        )
+        return f"{_short_name(value['_target_'])}({settings})"
+    return str(value)
+
+
+def training_length(trainer: L.Trainer) -> str:
+    """How long `trainer` will fit: "40 epochs", "100 steps", or "100 steps (at most 40 epochs)"."""
+    steps = _count(trainer.max_steps, "step") if trainer.max_steps >= 0 else None
+    epochs = _count(trainer.max_epochs, "epoch") if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+    if steps and epochs:
+        return f"{steps} (at most {epochs})"
+    return steps or epochs or "no max_steps or max_epochs"
+
+
+def _count(number: int, unit: str) -> str:
+    return f"{number} {unit}" if number == 1 else f"{number} {unit}s"
+
+
+def _short_name(target: str) -> str:
+    return target.rsplit(".", 1)[-1]
 
 
 def summarize(

