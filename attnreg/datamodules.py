@@ -90,6 +90,7 @@ class ClassificationDataModule(L.LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.max_length, self.num_workers = max_length, num_workers
         self.datasets: dict[str, Dataset] = {}
+        self._collate: Callable | None = None
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -103,6 +104,13 @@ class ClassificationDataModule(L.LightningDataModule):
         raise NotImplementedError(f"{type(self).__name__} must define build_tokenizer() or be given a tokenizer")
 
     def collator(self) -> Callable:
+        """The collate function of every loader, built once, so that a `SyntaxCollator`'s counts (and its
+        dropped-arcs warning) cover the whole run."""
+        if self._collate is None:
+            self._collate = self.build_collator()
+        return self._collate
+
+    def build_collator(self) -> Callable:
         if self.with_prior:
             return SyntaxCollator(self.tokenizer, prior=self.prior, max_length=self.max_length)
         return TextCollator(self.tokenizer, max_length=self.max_length)
@@ -179,9 +187,9 @@ class AgreementDataModule(ClassificationDataModule):
             name: SyntaxDataset([e.sentence for e in split], [e.label for e in split]) for name, split in splits.items()
         }
 
-    def collator(self) -> Callable:
+    def build_collator(self) -> Callable:
         if self.with_prior:
-            return super().collator()
+            return super().build_collator()
         return _SentenceTexts(TextCollator(self.tokenizer, max_length=self.max_length))
 
     def test_dataloader(self) -> list[DataLoader]:

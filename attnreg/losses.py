@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Literal
 
 import torch
@@ -125,6 +126,83 @@ def entropy_penalty(
 HeadReduction = Literal["mean_heads", "mean_attention"]
 
 
+def check_prior(prior: torch.Tensor, probs_shape: Sequence[int], heads: Sequence[int] | None = None) -> None:
+    """Raise a clear error unless `prior` (and `heads`) can supervise attention of shape `[B, H, T, S]`.
+
+    Key indices `[B, T]` must be an integer tensor of keys 0..S-1, or -1 for a row left out. Dense rows
+    `[B, T, S]` must be floating point, finite, non-negative, and each sum to 1 (within 1e-3, more for
+    bf16) or be all zeros (row left out). `heads` must be head positions 0..H-1. Costs a few
+    reductions over the prior (and, on a GPU, one synchronization); nothing of the attention's size.
+
+    Example:
+        >>> check_prior(torch.tensor([[2, -1, 0]]), (1, 4, 3, 3))       # fine: returns None
+        >>> check_prior(torch.tensor([[2, -5, 0]]), (1, 4, 3, 3))
+        IndexError: prior: row (batch 0, query 1) has key index -5, outside 0..2 (only -1 leaves a row out)
+    """
+    batch, count, queries, keys = probs_shape
+    if heads is not None:
+        _check_heads(heads, count)
+    if not isinstance(prior, torch.Tensor):
+        raise TypeError(
+            f"prior must be a torch.Tensor (key indices [B, T] or dense rows [B, T, S]), got {type(prior).__name__}"
+        )
+    expected = (batch, queries) if prior.dim() == 2 else (batch, queries, keys)
+    if tuple(prior.shape) != expected:
+        raise ValueError(
+            f"prior of shape {tuple(prior.shape)} does not match attention of shape {tuple(probs_shape)} "
+            f"[B, H, T, S]: expected key indices {(batch, queries)} or dense rows {(batch, queries, keys)}"
+        )
+    if prior.numel() == 0:
+        return
+    if prior.dim() == 2:
+        if prior.dtype.is_floating_point or prior.dtype.is_complex or prior.dtype == torch.bool:
+            raise TypeError(f"prior: key indices [B, T] must be an integer tensor, got {prior.dtype}")
+        low, high = torch.aminmax(prior)
+        if bool((low >= -1) & (high < keys)):
+            return
+        b, q = _first_row((prior < -1) | (prior >= keys))
+        raise IndexError(
+            f"prior: row (batch {b}, query {q}) has key index {prior[b, q].item()}, outside 0..{keys - 1} "
+            "(only -1 leaves a row out)"
+        )
+    if not prior.dtype.is_floating_point:
+        raise TypeError(f"prior: dense rows [B, T, S] must be a floating-point tensor, got {prior.dtype}")
+    sums = prior.sum(-1, dtype=torch.float64 if prior.dtype == torch.float64 else torch.float32)
+    tolerance = max(1e-3, 2 * torch.finfo(prior.dtype).eps)
+    bad = ~(prior.amin(-1) >= 0) | ~sums.isfinite() | (((sums - 1).abs() > tolerance) & (sums != 0))
+    if not bad.any():
+        return
+    b, q = _first_row(bad)
+    values = prior[b, q]
+    if not values.isfinite().all():
+        key = int((~values.isfinite()).nonzero()[0])
+        problem = f"has a non-finite entry {values[key].item()} at key {key}"
+    elif (values < 0).any():
+        key = int((values < 0).nonzero()[0])
+        problem = f"has a negative entry {values[key].item():.4g} at key {key}"
+    else:
+        problem = f"sums to {sums[b, q].item():.6g}; rows must sum to 1 (within {tolerance:.2g}) or be all zeros"
+    raise ValueError(f"prior: row (batch {b}, query {q}) {problem}")
+
+
+def _check_heads(heads: Sequence[int], count: int) -> None:
+    if not isinstance(heads, Sequence) or isinstance(heads, str):
+        raise TypeError(f"heads must be a list of head positions 0..{count - 1} (or None for all), got {heads!r}")
+    if not heads:
+        raise ValueError("heads is empty: name at least one head position (or None for all)")
+    for head in heads:
+        if isinstance(head, bool) or not isinstance(head, Integral):
+            raise TypeError(f"heads must hold integer head positions, got {head!r} in {list(heads)!r}")
+        if not 0 <= head < count:
+            raise IndexError(f"heads: head {head} is outside 0..{count - 1} (the attention has {count} heads)")
+
+
+def _first_row(bad: torch.Tensor) -> tuple[int, int]:
+    """(batch, query) of the first True entry of `bad` `[B, T]`."""
+    batch, query = bad.nonzero()[0].tolist()
+    return batch, query
+
+
 def prior_kl(
     probs: torch.Tensor,
     prior: torch.Tensor,
@@ -135,30 +213,30 @@ def prior_kl(
     """KL(prior ‖ attention) per query row, averaged over rows that have prior mass.
 
     `prior` is either dense `[B, T, S]` (each row a distribution, or all zeros for rows left out) or
-    one-hot as indices `[B, T]` (the key each query should attend to, -1 for rows left out).
+    one-hot as indices `[B, T]` (the key each query should attend to, -1 for rows left out); a prior
+    that is neither raises, naming the first bad row (see `check_prior`).
     `heads` picks the supervised heads (None = all). `reduction`: "mean_heads" averages the per-head
     KLs; "mean_attention" takes the KL of the head-averaged attention. With `causal=True` the prior
     is first restricted to keys at or before each query (see `causal_prior`). Zero prior entries
     contribute 0, and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
+
+    Example:
+        >>> prior_kl(probs, torch.tensor([[-1, 0, 0, 2]]), heads=[3])    # probs [1, H, 4, 4]
     """
-    batch, _, queries, keys = probs.shape
-    expected = (batch, queries) if prior.dim() == 2 else (batch, queries, keys)
-    if tuple(prior.shape) != expected:
-        raise ValueError(
-            f"prior of shape {tuple(prior.shape)} does not match attention of shape {tuple(probs.shape)} "
-            f"[B, H, T, S]: expected key indices {(batch, queries)} or dense rows {(batch, queries, keys)}"
-        )
+    if probs.dim() != 4:
+        raise ValueError(f"probs must be attention of one layer [B, H, T, S], got shape {tuple(probs.shape)}")
+    if reduction not in ("mean_heads", "mean_attention"):
+        raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
+    check_prior(prior, probs.shape, heads)
     if causal:
-        prior = causal_prior(prior, keys)
+        prior = causal_prior(prior, probs.shape[-1])
     if heads is not None:
         probs = probs[:, list(heads)]
     if reduction == "mean_attention":
         probs = probs.mean(1, keepdim=True)
-    elif reduction != "mean_heads":
-        raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
     if prior.dim() == 2:
         rows = prior >= 0
-        index = prior.clamp_min(0)[:, None, :, None].expand(-1, probs.shape[1], -1, 1)
+        index = prior.long().clamp_min(0)[:, None, :, None].expand(-1, probs.shape[1], -1, 1)
         attended = _full_precision(probs.gather(-1, index).squeeze(-1))  # [B, H, T]
         per_row = -attended.clamp_min(_TINY).log()
     else:

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -279,6 +280,7 @@ def summarize(
         "entropy": [round(value, 4) for value in layer_entropy(model, eval_sets["val"])],
         "parent_accuracy": None,
         "pruning": pruning_report(model),
+        "prior_arcs": prior_arcs(data),
     }
     sentences = data.tree_sentences()
     if sentences:
@@ -327,6 +329,13 @@ def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int =
     finally:
         model.train(was_training)
     return (totals / max(batches, 1)).tolist()
+
+
+def prior_arcs(data: Any) -> dict[str, int] | None:
+    """What the syntax prior covered over the run (sentences, arcs, arcs dropped by truncation or shared
+    tokens), or None when the data built no prior."""
+    stats = getattr(data.collator(), "stats", None)
+    return None if stats is None else dataclasses.asdict(stats)
 
 
 def pruning_report(model: PreTrainedModel) -> dict[str, Any] | None:
@@ -410,6 +419,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(
             f"parent accuracy on {heads['sentences']} held-out sentences: supervised {supervised}; "
             f"best head {heads['best_head']} {_fraction(heads['best'])}; right-branching {heads['right_branching']:.3f}"
+        )
+    arcs = summary.get("prior_arcs")
+    if arcs and arcs["arcs"]:
+        lines.append(
+            f"syntax prior: {arcs['arcs']} arcs in {arcs['sentences']} sentences, {arcs['arcs_dropped']} without a "
+            f"prior ({arcs['arcs_dropped'] / arcs['arcs']:.1%}: truncated, or sharing a token)"
         )
     pruning = summary.get("pruning")
     if pruning:

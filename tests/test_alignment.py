@@ -1,18 +1,23 @@
 """Word-to-subword alignment, priors and the collator, on the real MiniLM WordPiece tokenizer and on
 byte-level BPE and SentencePiece-style (Unigram, Metaspace) tokenizers trained offline."""
 
+import copy
+import functools
 import importlib.util
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from tokenizers import ByteLevelBPETokenizer, SentencePieceUnigramTokenizer
+from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from attnreg.losses import causal_prior
 from attnreg.syntax import (
     AlignmentError,
+    CollatorStats,
     Sentence,
     SyntaxCollator,
     SyntaxDataset,
@@ -290,14 +295,49 @@ def test_collator_batches_inputs_labels_and_prior(sentence, wordpiece):
     assert (second[batch["attention_mask"][1] == 0] == -1).all()  # padding: no row
     dense = SyntaxCollator(wordpiece, prior=SyntaxPrior("tree_distance"), max_length=32)([sentence, other])
     assert dense["attnreg_prior"].shape == (2, *batch["input_ids"].shape[1:], batch["input_ids"].shape[1])
-    assert collate.arcs == 8 + 2 and collate.arcs_dropped == 0
+    assert collate.stats == CollatorStats(sentences=2, arcs=8 + 2, arcs_dropped=0)
+    copy.deepcopy(collate)([sentence])  # a copy counts into the same totals
+    assert collate.stats == CollatorStats(sentences=3, arcs=8 + 2 + 8, arcs_dropped=0)
 
 
 def test_collator_warns_about_truncated_arcs(sentence, wordpiece):
     collate = SyntaxCollator(wordpiece, max_length=9)
-    with pytest.warns(UserWarning, match="5 of 8 arcs"):
+    with pytest.warns(UserWarning, match="5 of the 8 arcs"):
         collate([sentence])
-    assert collate.arcs_dropped == 5
+    assert collate.stats.arcs_dropped == 5
+
+
+def log_warnings_to(path, worker_id):
+    """A DataLoader `worker_init_fn`: each warning shown in the worker process is appended to `path`."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        with open(path, "a") as handle:
+            handle.write(f"{category.__name__}: {message}\n")
+
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_collator_warns_once_and_counts_every_batch_of_every_worker(sentence, wordpiece, workers, tmp_path):
+    collate = SyntaxCollator(wordpiece, max_length=9)  # 5 of the sentence's 8 arcs lose an end word
+    log = tmp_path / "worker-warnings.txt"
+    loader = DataLoader(
+        SyntaxDataset([sentence] * 12),
+        batch_size=2,
+        collate_fn=collate,
+        num_workers=workers,
+        worker_init_fn=functools.partial(log_warnings_to, log),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # so that nothing is folded by Python: what is shown is what was warned
+        for _epoch in range(3):  # fresh worker processes every epoch
+            for _batch in loader:
+                pass
+    shown = [str(warning.message) for warning in caught if "SyntaxCollator" in str(warning.message)]
+    shown += [line for line in (log.read_text().splitlines() if log.exists() else []) if "SyntaxCollator" in line]
+    assert len(shown) == 1 and "10 of the 16 arcs of a batch" in shown[0], shown
+    assert collate.stats == CollatorStats(sentences=36, arcs=36 * 8, arcs_dropped=36 * 5)
 
 
 def test_collator_rejects_unusable_tokenizers(wordpiece):
@@ -323,4 +363,4 @@ def test_ewt_dev_aligns_on_every_tokenizer(name, wordpiece):
         assert (batch["attention_mask"].gather(1, prior.clamp_min(0))[rows] == 1).all()  # points at real tokens
     # Without truncation, arcs are lost only where a word shares its only token with a neighbour
     # (WordPiece "cannot" = can + not); that stays rare.
-    assert collate.arcs_dropped < 0.02 * collate.arcs
+    assert collate.stats.arcs_dropped < 0.02 * collate.stats.arcs

@@ -82,3 +82,48 @@ def test_cycles_are_found():
     with pytest.raises(ConlluError, match=r"cycle through words \[2, 3\]"):
         check_tree([0, 3, 2])
     check_tree([2, 0, 2])
+
+
+@pytest.mark.parametrize(
+    ("change", "line", "message"),
+    [
+        (("3\tn't\tnot\tPART\tRB\t_\t4", "3\tn't\tnot\tPART\tRB\t_\t1.1"), 16, "Failed parsing field 'head'"),
+        (("2-3\tdon't", "_\tdon't"), 14, "the ID None is not a word"),
+        (("2-3\tdon't", "2-9\tdon't"), 14, "multiword token 2-9 must cover two or more of words 1..5"),
+        (("2-3\tdon't", "4-5\tdon't"), 14, "multiword token 4-5 .* come right before its first word"),
+        (("2\tdo\tdo", "2\tdo  it\tdo"), 15, "column FORM is 'do  it'"),
+        (("5\t.\t.\tPUNCT\t.\t", "5\t.\t.\tPUNCT\t\t"), 19, "column XPOS is ''"),
+        (
+            ("4\tknow\tknow\tVERB\tVB\t_\t0", "4\tknow\tknow\tVERB\tVB\t_\t_"),
+            17,
+            r"word 4 has no numeric head \(None\)",
+        ),
+    ],
+)
+def test_malformed_row_is_named_by_its_own_line(tmp_path, change, line, message):
+    path = tmp_path / "bad.conllu"
+    path.write_text(GOOD + GOOD.replace("s1", "s2").replace(*change), encoding="utf-8")
+    with pytest.raises(ConlluError, match=rf"bad.conllu:{line}\b.*{message}"):
+        read_conllu(path)
+
+
+def test_byte_order_mark_and_windows_line_ends_read_as_plain_text(tmp_path):
+    path = tmp_path / "windows.conllu"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.replace("\n", "\r\n").encode("utf-8"))
+    (sentence,) = read_conllu(path)
+    assert sentence.sent_id == "s1" and sentence.text == "I don't know."
+    assert sentence.words == ("I", "do", "n't", "know", ".") and sentence.heads == (4, 4, 4, 0, 4)
+
+
+def test_bytes_that_are_not_utf8_are_named_by_line(tmp_path):
+    path = tmp_path / "latin1.conllu"
+    path.write_bytes((GOOD + GOOD.replace("know", "knów")).encode("latin-1"))
+    with pytest.raises(ConlluError, match=r"latin1.conllu:12: not UTF-8"):
+        read_conllu(path)
+
+
+def test_a_cut_gzip_file_is_named(tmp_path):
+    path = tmp_path / "cut.conllu.gz"
+    path.write_bytes(gzip.compress((GOOD * 50).encode("utf-8"))[:-40])
+    with pytest.raises(ConlluError, match=r"cut.conllu.gz:\d+: the compressed file is damaged or cut short"):
+        read_conllu(path)

@@ -63,6 +63,8 @@ def test_default_run_end_to_end_writes_metrics_checkpoint_and_summary(tmp_path):
     assert len(summary["entropy"]) == 2 and all(0.0 < value <= 1.0 for value in summary["entropy"])
     heads = summary["parent_accuracy"]
     assert set(heads["supervised"]) == {"L0H0", "L1H0"} and heads["sentences"] == 64
+    arcs = summary["prior_arcs"]  # one collator for every loader: training and evaluation batches together
+    assert arcs["sentences"] >= 4 * 256 and arcs["arcs"] > arcs["sentences"] and arcs["arcs_dropped"] == 0
     assert (tmp_path / "checkpoints" / "best.ckpt").is_file()
     metrics = (tmp_path / "csv" / "metrics.csv").read_text()
     assert "val/acc" in metrics and "attnreg/prior_kl" in metrics
@@ -72,6 +74,7 @@ def test_default_run_end_to_end_writes_metrics_checkpoint_and_summary(tmp_path):
         "attnreg: syntax_kl = SyntaxPriorKL(weight=1.0, heads=[0], head_reduction=mean_heads)" in printed
     )
     assert "accuracy: val" in printed and "hard" in printed and "parent accuracy on 64" in printed
+    assert f"syntax prior: {arcs['arcs']} arcs in {arcs['sentences']} sentences, 0 without a prior" in printed
     assert "attention entropy per layer" in printed and "heads pruned: none" in printed
 
 

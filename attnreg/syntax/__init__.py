@@ -8,7 +8,7 @@ Example:
 """
 
 from attnreg.syntax.align import Alignment, AlignmentError, align_offsets, align_word_ids, dropped_arcs, word_spans
-from attnreg.syntax.data import PRIOR_KEY, SyntaxCollator, SyntaxDataset
+from attnreg.syntax.data import PRIOR_KEY, CollatorStats, SyntaxCollator, SyntaxDataset
 from attnreg.syntax.parse import doc_to_sentence, iter_parse, load_parser, parse_texts, to_ud
 from attnreg.syntax.priors import SyntaxPrior, pad_heads, tree_distances, tree_distances_batch, word_prior, word_priors
 from attnreg.syntax.trees import ConlluError, Sentence, check_tree, iter_conllu, read_conllu
@@ -17,6 +17,7 @@ __all__ = [
     "PRIOR_KEY",
     "Alignment",
     "AlignmentError",
+    "CollatorStats",
     "ConlluError",
     "Sentence",
     "SyntaxCollator",

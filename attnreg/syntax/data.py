@@ -3,19 +3,22 @@
 `SyntaxCollator` tokenizes a batch of `Sentence`s with a fast tokenizer, aligns words to tokens
 (`attnreg.syntax.align`), builds the prior (`attnreg.syntax.priors`) and returns the model inputs plus
 `batch["attnreg_prior"]`: key indices `[B, T]` for a parent prior on first pieces, else dense rows
-`[B, T, T]`. This is the key `attnreg.SyntaxPriorKL` reads. Arcs lost to truncation are counted and
-reported in a warning.
+`[B, T, T]`. This is the key `attnreg.SyntaxPriorKL` reads. Arcs lost to truncation are counted in
+`collator.stats` (DataLoader worker processes included) and reported in one warning.
 
 Example:
     >>> dataset = SyntaxDataset.from_conllu("en_ewt-ud-train.conllu.gz")
     >>> loader = DataLoader(dataset, batch_size=32, collate_fn=SyntaxCollator(tokenizer, max_length=128))
     >>> batch = next(iter(loader))     # input_ids, attention_mask, (token_type_ids), attnreg_prior
+    >>> loader.collate_fn.stats        # CollatorStats(sentences=32, arcs=..., arcs_dropped=...)
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +71,54 @@ class SyntaxDataset(Dataset):
         return item
 
 
+@dataclass(frozen=True)
+class CollatorStats:
+    """What a `SyntaxCollator` built so far: sentences, their arcs (root excluded), and the arcs that got
+    no prior (an end word cut by truncation, or sharing its only token with a neighbour)."""
+
+    sentences: int = 0
+    arcs: int = 0
+    arcs_dropped: int = 0
+
+
+class _SharedCounts:
+    """Counts that a collator and its copies (in DataLoader worker processes, or by `copy.deepcopy`) add
+    to: shared memory under a lock, so that workers neither lose counts nor warn twice. A spawn-context
+    lock works with workers started by fork, spawn and forkserver alike."""
+
+    def __init__(self) -> None:
+        self._values = torch.zeros(4, dtype=torch.int64).share_memory_()  # sentences, arcs, dropped, warned
+        self._lock = multiprocessing.get_context("spawn").Lock()
+
+    def add(self, sentences: int, arcs: int, dropped: int) -> bool:
+        """Add one batch; True for the first batch (over all copies) that drops arcs."""
+        with self._lock:
+            self._values += torch.tensor([sentences, arcs, dropped, 0])
+            first = bool(dropped and not self._values[3])
+            if first:
+                self._values[3] = 1
+        return first
+
+    def totals(self) -> CollatorStats:
+        with self._lock:
+            return CollatorStats(*self._values[:3].tolist())
+
+    def __deepcopy__(self, memo: dict) -> _SharedCounts:
+        return self  # a lock cannot be copied, and a copied collator counts into the same totals
+
+
 class SyntaxCollator:
     """Collate `Sentence`s (or `SyntaxDataset` items) into model inputs plus the prior.
 
     `prior` is a `SyntaxPrior` or the name of its kind. Labels, when present, go to `labels`.
-    Attributes `arcs` and `arcs_dropped` count the arcs seen and those lost to truncation (or to
-    words that share a token); the first batch that drops arcs raises a warning with the counts.
+    `stats` (a `CollatorStats`) counts the sentences, arcs and arcs lost to truncation (or to words
+    that share a token) over every batch, those built in DataLoader workers included; the first batch
+    that drops arcs warns, once for the collator and all its worker copies.
+
+    Example:
+        >>> collate = SyntaxCollator(tokenizer, max_length=64)
+        >>> trainer.fit(module, DataLoader(dataset, batch_size=32, collate_fn=collate, num_workers=2))
+        >>> collate.stats.arcs_dropped / collate.stats.arcs       # share of arcs without a prior
     """
 
     def __init__(
@@ -98,9 +143,12 @@ class SyntaxCollator:
         self.prior = SyntaxPrior(prior) if isinstance(prior, str) else prior
         self.max_length = max_length
         self.prior_key, self.label_key = prior_key, label_key
-        self.arcs = 0
-        self.arcs_dropped = 0
-        self._warned = False
+        self._counts = _SharedCounts()
+
+    @property
+    def stats(self) -> CollatorStats:
+        """Totals over every batch built so far, in this process and in DataLoader workers."""
+        return self._counts.totals()
 
     def __call__(self, examples: Sequence[Sentence | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         sentences = [e if isinstance(e, Sentence) else e["sentence"] for e in examples]
@@ -130,17 +178,14 @@ class SyntaxCollator:
             if alignment.dropped_words
         )
         out = self.prior.batch([sentence.heads for sentence in sentences], alignments)
-        self._count(sum(len(s.heads) - 1 for s in sentences), dropped)
+        self._count(len(sentences), sum(len(s.heads) - 1 for s in sentences), dropped)
         return out
 
-    def _count(self, arcs: int, dropped: int) -> None:
-        self.arcs += arcs
-        self.arcs_dropped += dropped
-        if dropped and not self._warned:
-            self._warned = True
+    def _count(self, sentences: int, arcs: int, dropped: int) -> None:
+        if self._counts.add(sentences, arcs, dropped):
             warnings.warn(
-                f"SyntaxCollator: {dropped} of {arcs} arcs in this batch get no prior: an end word has no token of "
+                f"SyntaxCollator: {dropped} of the {arcs} arcs of a batch get no prior: an end word has no token of "
                 f"its own (cut by truncation at max_length={self.max_length}, or sharing its only token with a "
-                "neighbour, as WordPiece's 'cannot' = can + not). Totals: collator.arcs, collator.arcs_dropped.",
+                "neighbour, as WordPiece's 'cannot' = can + not). Shown once; running totals in collator.stats.",
                 stacklevel=3,
             )

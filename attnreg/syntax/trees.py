@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,62 +53,123 @@ class Sentence:
 
 
 def read_conllu(path: str | Path) -> list[Sentence]:
-    """All sentences of a CoNLL-U file (`.gz` too), each validated (see `check_tree`)."""
+    """All sentences of a CoNLL-U file (`.gz` too), each validated (see `check_tree`).
+
+    A malformed file raises `ConlluError` naming the file and line: bytes that are not UTF-8, a row
+    without exactly 10 tab-separated columns, a column the `conllu` parser cannot read, word ids
+    that do not run 1..n, a misplaced multiword-token range, a head that is not a number, or heads
+    that do not form one tree.
+    """
     return list(iter_conllu(path))
 
 
 def iter_conllu(path: str | Path) -> Iterator[Sentence]:
+    """The sentences of a CoNLL-U file one at a time (see `read_conllu`).
+
+    Example:
+        >>> for sentence in iter_conllu("en_ewt-ud-train.conllu.gz"): ...
+    """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        block: list[str] = []
-        start = 1
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                if not block:
-                    start = number
-                block.append(line)
-            elif block:
-                yield _sentence(block, path, start)
-                block = []
-        if block:
-            yield _sentence(block, path, start)
+    block: list[str] = []
+    start, number = 1, 0
+    with opener(path, "rb") as handle:
+        try:
+            for number, raw in enumerate(handle, start=1):
+                line = _decode(raw, path, number)
+                if line.strip():
+                    if not block:
+                        start = number
+                    block.append(line)
+                elif block:
+                    yield _sentence(block, path, start)
+                    block = []
+        except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+            raise ConlluError(f"{path}:{number + 1}: the compressed file is damaged or cut short: {error}") from error
+    if block:
+        yield _sentence(block, path, start)
+
+
+def _decode(raw: bytes, path: Path, number: int) -> str:
+    """Line `number` (1-based) as text; a byte-order mark at the start of the file is dropped."""
+    try:
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as error:
+        raise ConlluError(f"{path}:{number}: not UTF-8 ({error.reason} at byte {error.start} of the line)") from error
 
 
 def _sentence(lines: list[str], path: Path, start: int) -> Sentence:
-    where = f"{path}:{start}"
-    for offset, line in enumerate(lines):
-        fields = line.rstrip("\n").split("\t")
-        if not line.startswith("#") and len(fields) != 10:
-            raise ConlluError(
-                f"{path}:{start + offset}: malformed CoNLL-U line, {len(fields)} tab-separated fields instead of 10"
-            )
+    rows = [start + offset for offset, line in enumerate(lines) if not line.startswith("#")]  # each token's line
+    for row in rows:
+        _check_columns(lines[row - start], f"{path}:{row}")
     try:
         (tokens,) = conllu.parse("".join(lines))
-    except (conllu.exceptions.ParseException, ValueError) as error:
-        raise ConlluError(f"{where}: malformed CoNLL-U sentence: {error}") from error
+    except conllu.exceptions.ParseException as error:
+        row = next((row for row in rows if not _parses(lines[row - start])), start)
+        raise ConlluError(f"{path}:{row}: malformed CoNLL-U line: {error}") from error
     sent_id = tokens.metadata.get("sent_id", f"line {start}")
+    where = f"{path}:{start} (sent_id {sent_id})"
     words = [token for token in tokens if isinstance(token["id"], int)]  # ranges and empty nodes are tuples
     if not words:
-        raise ConlluError(f"{where} (sent_id {sent_id}): the sentence has no words")
-    heads = []
-    for position, token in enumerate(words, start=1):
-        if token["id"] != position:
-            raise ConlluError(f"{where} (sent_id {sent_id}): word ids must run 1..n, found {token['id']} at {position}")
-        if not isinstance(token["head"], int):
-            raise ConlluError(f"{where} (sent_id {sent_id}): word {position} has no numeric head ({token['head']!r})")
-        heads.append(token["head"])
+        raise ConlluError(f"{where}: the sentence has no words")
+    _check_tokens(tokens, [f"{path}:{row} (sent_id {sent_id})" for row in rows], len(words))
     text = tokens.metadata.get("text") or " ".join(token["form"] for token in words)
     return Sentence(
         sent_id=sent_id,
         words=tuple(token["form"] for token in words),
-        heads=tuple(heads),
+        heads=tuple(token["head"] for token in words),
         relations=tuple(token["deprel"] for token in words),
         text=text,
         source=str(path),
         line=start,
-        spans=_surface_spans(tokens, text, f"{where} (sent_id {sent_id})"),
+        spans=_surface_spans(tokens, text, where),
     )
+
+
+def _check_columns(line: str, where: str) -> None:
+    """10 tab-separated columns, none empty nor with spaces the `conllu` parser would take for a column break."""
+    fields = line.rstrip("\r\n").split("\t")
+    if len(fields) != 10:
+        raise ConlluError(f"{where}: malformed CoNLL-U line, {len(fields)} tab-separated fields instead of 10")
+    for name, field in zip(conllu.parser.DEFAULT_FIELDS, fields, strict=True):
+        if not field or field != field.strip() or "  " in field:
+            raise ConlluError(
+                f"{where}: column {name.upper()} is {field!r}; columns are non-empty ('_' for no value), "
+                "without leading, trailing or double spaces"
+            )
+
+
+def _parses(line: str) -> bool:
+    try:
+        conllu.parse(line)
+    except conllu.exceptions.ParseException:
+        return False
+    return True
+
+
+def _check_tokens(tokens: conllu.TokenList, places: list[str], count: int) -> None:
+    """Words numbered 1..count with numeric heads; each range `a-b` right before word a, within the words
+    and overlapping no other range. Empty nodes (`k.m`) are dropped, so not checked. `places`: each token's
+    'file:line (sent_id ...)'."""
+    words = covered = 0
+    for index, (token, where) in enumerate(zip(tokens, places, strict=True)):
+        ident = token["id"]
+        if isinstance(ident, int):
+            words += 1
+            if ident != words:
+                raise ConlluError(f"{where}: word ids must run 1..n, found {ident} at position {words}")
+            if not isinstance(token["head"], int):
+                raise ConlluError(f"{where}: word {ident} has no numeric head ({token['head']!r})")
+        elif not isinstance(ident, tuple):
+            raise ConlluError(f"{where}: the ID {ident!r} is not a word (3), a range (3-4) or an empty node (3.1)")
+        elif ident[1] == "-":
+            following = tokens[index + 1]["id"] if index + 1 < len(tokens) else None
+            if not covered < ident[0] < ident[2] <= count or following != ident[0]:
+                raise ConlluError(
+                    f"{where}: the multiword token {ident[0]}-{ident[2]} must cover two or more of words 1..{count}, "
+                    "come right before its first word, and overlap no other"
+                )
+            covered = ident[2]
 
 
 def _surface_spans(tokens: conllu.TokenList, text: str, where: str) -> tuple[tuple[int, int], ...]:
