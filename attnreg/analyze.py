@@ -6,7 +6,9 @@ MODEL is a local model directory (`save_pretrained`, or `attnreg.pruning.save_pr
 model), a Lightning checkpoint (`.ckpt`) of `attnreg.modules.SequenceClassifier` together with
 `--base`, the model it was fine-tuned from, or a Hugging Face Hub name (which needs a download).
 DATA is a CoNLL-U file (`.conllu`, `.conllu.gz`: gold trees) or a text file with one sentence per
-line (parsed with spaCy, `pip install 'attnreg[parse]'`).
+line (parsed with spaCy, `pip install 'attnreg[parse]'`). The tokenizer is the model's (its directory,
+or `--base` for a checkpoint) unless `--tokenizer` names one; a directory without tokenizer files, or
+a tokenizer that reads most words of DATA as unknown, is refused (the report would be wrong).
 
 The report folder gets `statistics.csv` and `statistics.json` (every per-head statistic, role and
 parent accuracy), `roles.csv` (the role table), `relations.csv` (best head per relation, both
@@ -39,7 +41,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from attnreg.analysis import STATISTICS, Analysis, RoleThresholds, analyze, token_importance
+from attnreg.analysis import STATISTICS, Analysis, RoleThresholds, analyze, check_tokenizer, token_importance
 from attnreg.hub import attach
 from attnreg.pruning import SPEC_FILE, load_pruned, restore_pruning
 from attnreg.syntax.trees import Sentence, read_conllu
@@ -54,6 +56,18 @@ SUMMARY_STATISTICS = (
     "to_next",
     "distance",
 )
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+"""Files of which a tokenizer directory has at least one."""
 
 
 class InputError(ValueError):
@@ -107,7 +121,14 @@ def _from_hub(name: str, loader: Any, **kwargs: Any) -> Any:
 
 
 def _tokenizer(source: str) -> PreTrainedTokenizerBase:
-    loaded = AutoTokenizer.from_pretrained(source) if Path(source).is_dir() else _from_hub(source, AutoTokenizer)
+    path = Path(source)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(
+            f"{source} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), and the tokenizer transformers "
+            "builds for it reads every word as unknown: pass the model's tokenizer with --tokenizer DIR_OR_NAME "
+            "(attnreg.pruning.save_pruned(model, directory, tokenizer=tokenizer) saves one beside a pruned model)"
+        )
+    loaded = AutoTokenizer.from_pretrained(source) if path.is_dir() else _from_hub(source, AutoTokenizer)
     if not loaded.is_fast:
         raise InputError(f"the tokenizer of {source} is not a fast tokenizer; the analysis needs character offsets")
     return loaded
@@ -165,6 +186,13 @@ def load_sentences(path: str | Path, data_format: str = "auto", limit: int | Non
     else:
         raise InputError(f"unknown data format {data_format!r}; use conllu, text or auto")
     return sentences[:limit] if limit is not None else sentences
+
+
+def _check_tokenizer(tokenizer: PreTrainedTokenizerBase, sentences: Sequence[Sentence]) -> None:
+    try:
+        check_tokenizer(tokenizer, [sentence.text for sentence in sentences])
+    except ValueError as error:
+        raise InputError(f"{error}: pass it with --tokenizer DIR_OR_NAME") from error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model, tokenizer = load_model(args.model, args.base, args.tokenizer)
         sentences = load_sentences(args.data, args.data_format, args.limit)
+        _check_tokenizer(tokenizer, sentences)
     except InputError as error:
         parser.exit(2, f"attnreg-analyze: error: {error}\n")
     if not 0 <= args.example < len(sentences):

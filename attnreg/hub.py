@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ GATE = "attnreg_gate"
 TEMPERATURE = "attnreg_temperature"
 _HUB_ATTR = "_attnreg_hub"
 _STATE_ATTR = "_attnreg_state"
+_SAVE_ATTR = "save_pretrained"
 
 
 @dataclass(frozen=True)
@@ -302,8 +305,8 @@ class AttentionHub:
         self._install_gate(layer, gate)
 
     def remove_gate(self, layer: int, fold: bool = True) -> None:
-        """Remove the gate of `layer` and its hook. With `fold`, its value is first folded into the output
-        projection's input columns, so the model computes the same function. No-op without a gate."""
+        """Remove the gate of `layer`. With `fold`, its value is first folded into the output projection's
+        input columns, so the model computes the same function. No-op without a gate."""
         attention = self.attention(layer)
         gate = getattr(attention, GATE, None)
         if gate is None:
@@ -313,7 +316,6 @@ class AttentionHub:
             with torch.no_grad():
                 values = gate_values(gate, deterministic=True)
             scale_input_columns(projection, values.repeat_interleave(self.family.head_dim(attention)))
-        _remove_hooks(projection._forward_pre_hooks, lambda hook: isinstance(hook, _GateHook))
         delattr(attention, GATE)
 
     def _install_gate(self, layer: int, gate: nn.Parameter | nn.Module) -> None:
@@ -322,8 +324,6 @@ class AttentionHub:
             attention.add_module(GATE, gate)
         else:
             attention.register_parameter(GATE, gate)
-        projection = self.family.out_projection(self.model, layer)
-        projection.register_forward_pre_hook(_GateHook(attention))
 
     # -- temperature and dropout ------------------------------------------------------------------
     def set_temperature(self, value: float | torch.Tensor | None, layers: int | Iterable[int] | None = None) -> None:
@@ -378,7 +378,12 @@ class AttentionHub:
 
 
 class _GateHook:
-    """Forward pre-hook on an output projection: scales each head's slice of its input by the gate."""
+    """Forward pre-hook on an output projection: scales each head's slice of its input by the gate.
+
+    Installed on every layer at `attach`, whether it has a gate or not: `torch.compile` guards on what
+    the hook reads, so a gate created after the first compiled call recompiles instead of being ignored
+    (a hook added after compiling would be).
+    """
 
     def __init__(self, attention: nn.Module) -> None:
         self.attention = attention
@@ -470,13 +475,21 @@ def attach(model: nn.Module) -> AttentionHub:
     hub = AttentionHub(model, family, previous)
     for layer in range(hub.num_layers):
         block = family.blocks(model)[layer]
-        setattr(family.attention_module(model, layer), _STATE_ATTR, _LayerState(index=layer, block=block))
+        attention = family.attention_module(model, layer)
+        setattr(attention, _STATE_ATTR, _LayerState(index=layer, block=block))
+        family.out_projection(model, layer).register_forward_pre_hook(_GateHook(attention))
     model.set_attn_implementation(IMPLEMENTATION)
     # A plain attribute, not a submodule: it is not in the state_dict and follows copy.deepcopy.
     object.__setattr__(model, _HUB_ATTR, hub)
     model.register_forward_pre_hook(_model_forward_guard, with_kwargs=True)
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    object.__setattr__(model, _SAVE_ATTR, functools.partial(_save_pretrained_folded, model))
     return hub
+
+
+def is_attached(model: nn.Module) -> bool:
+    """Whether `attnreg.attach(model)` was called (and not undone)."""
+    return getattr(model, _HUB_ATTR, None) is not None
 
 
 def hub_of(model: nn.Module) -> AttentionHub:
@@ -495,6 +508,8 @@ def detach(model: nn.Module) -> None:
     family = hub.family
     for layer in range(hub.num_layers):
         hub.remove_gate(layer)
+        projection = family.out_projection(model, layer)
+        _remove_hooks(projection._forward_pre_hooks, lambda hook: isinstance(hook, _GateHook))
         attention = hub.attention(layer)
         head_dim = family.head_dim(attention)
         temperature = getattr(attention, TEMPERATURE, None)
@@ -508,7 +523,21 @@ def detach(model: nn.Module) -> None:
     )
     _remove_hooks(model._load_state_dict_pre_hooks, lambda hook: hook.hook is _load_state_dict_pre_hook)
     object.__delattr__(model, _HUB_ATTR)
+    model.__dict__.pop(_SAVE_ATTR, None)
     model.set_attn_implementation(hub.previous_implementation)
+
+
+def _save_pretrained_folded(model: nn.Module, *args, **kwargs):
+    """`model.save_pretrained` while attached. `from_pretrained` drops the hub's gates and temperatures,
+    so a model saved with them would load computing something else: they are folded into the weights of
+    a copy (`detach`), and the copy is saved. An explicit `state_dict=` is saved as given."""
+    hub = hub_of(model)
+    touched = hub.gates or any(hub.temperature(layer) is not None for layer in range(hub.num_layers))
+    if kwargs.get("state_dict") is None and touched:
+        folded = copy.deepcopy(model)
+        detach(folded)
+        return folded.save_pretrained(*args, **kwargs)
+    return type(model).save_pretrained(model, *args, **kwargs)
 
 
 def _remove_hooks(hooks: dict, is_ours, flags: dict | None = None) -> None:

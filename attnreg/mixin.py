@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,27 @@ class AttnRegMixin:
     def remove_attnreg_term(self, name: str) -> None:
         self.attnreg_terms.pop(name, None)
 
+    def free_attnreg_term_name(self, name: str | None, default: str, owner: str) -> str:
+        """`name` if no term holds it (an error if one does); for `name=None`, `default`, or `default_2`,
+        `default_3`, ... when taken, so that two callbacks of one class both act.
+
+        Example:
+            >>> module.free_attnreg_term_name(None, "entropy", "EntropyRegularizer")   # "entropy" taken
+            'entropy_2'
+        """
+        if name is not None:
+            if name in self.attnreg_terms:
+                raise ValueError(
+                    f"{owner}: an attnreg term named {name!r} is already registered (by another callback); "
+                    "give each callback its own name="
+                )
+            return name
+        candidate, number = default, 1
+        while candidate in self.attnreg_terms:
+            number += 1
+            candidate = f"{default}_{number}"
+        return candidate
+
     def attnreg_loss(self) -> torch.Tensor:
         """The sum of all registered terms for the current training step, each logged.
 
@@ -128,8 +150,11 @@ class AttnRegMixin:
 def _add_terms_to(training_step: Callable) -> Callable:
     @functools.wraps(training_step)
     def wrapped(self: AttnRegMixin, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self.attnreg_terms or self.__dict__.get("_attnreg_step") is not None:
-            return training_step(self, batch, *args, **kwargs)  # no terms, or a super() call inside the step
+        if self.__dict__.get("_attnreg_step") is not None:
+            return training_step(self, batch, *args, **kwargs)  # a super() call inside the step
+        _warn_if_eval_mode(self)
+        if not self.attnreg_terms:
+            return training_step(self, batch, *args, **kwargs)
         hub = self.attnreg_hub
         layers = self._capture_layers()
         self.__dict__["_attnreg_consumed"] = False
@@ -137,14 +162,41 @@ def _add_terms_to(training_step: Callable) -> Callable:
             self.__dict__["_attnreg_step"] = (probs, batch)
             try:
                 output = training_step(self, batch, *args, **kwargs)
-                if output is None or self.__dict__["_attnreg_consumed"]:
+                if self.__dict__["_attnreg_consumed"]:
                     return output
+                if output is None:
+                    raise RuntimeError(
+                        f"{type(self).__name__}.training_step returned None, so attnreg's terms "
+                        f"{sorted(self.attnreg_terms)} would be lost (Lightning skips the batch). Return the loss "
+                        "(a model output without labels has loss=None), or a dict with 'loss'."
+                    )
                 return _add_loss(output, self.attnreg_loss())
             finally:
                 self.__dict__["_attnreg_step"] = None
 
     wrapped._attnreg_wrapped = True
     return wrapped
+
+
+class EvalModeWarning(UserWarning):
+    """The transformers model is in eval mode while Lightning trains: dropout is off."""
+
+
+def _warn_if_eval_mode(module: AttnRegMixin) -> None:
+    """Once per fit: transformers' `from_pretrained` returns eval mode, and Lightning 2.6 keeps it."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or module.__dict__.get("_attnreg_mode_checked") is trainer:
+        return
+    module.__dict__["_attnreg_mode_checked"] = trainer
+    model = module.attnreg_model
+    if module.training and not model.training:
+        warnings.warn(
+            f"{type(model).__name__} is in eval mode while {type(module).__name__} trains, so its dropout is off "
+            "(attention and hidden) and every loss is computed without it. transformers' from_pretrained returns a "
+            "model in eval mode and Lightning keeps it: call model.train() before trainer.fit.",
+            EvalModeWarning,
+            stacklevel=3,
+        )
 
 
 def _add_loss(output: Any, extra: torch.Tensor) -> Any:

@@ -20,19 +20,31 @@ import torchmetrics
 from transformers import PreTrainedModel, get_linear_schedule_with_warmup
 
 from attnreg.distill import check_distillation, distillation_loss
+from attnreg.hub import is_attached
 from attnreg.mixin import AttnRegMixin
+from attnreg.pruning import gate_parameters
 
 
 class SequenceClassifier(AttnRegMixin, L.LightningModule):
     """Fine-tunes `model` (a `...ForSequenceClassification`) with AdamW and linear warmup then decay.
 
-    Logs `train/loss`, and `val/loss`, `val/acc`, `val/mcc` (Matthews correlation) each epoch.
+    attnreg's head gates (`HeadGating`) get a group of their own, named "gates", at `gate_lr` (default
+    `lr`; gates usually need a far larger one) without weight decay. Logs `train/loss`, and `val/loss`,
+    `val/acc`, `val/mcc` (Matthews correlation) each epoch.
     """
 
-    def __init__(self, model: PreTrainedModel, lr: float = 5e-5, weight_decay: float = 0.01, warmup: float = 0.1):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        warmup: float = 0.1,
+        gate_lr: float | None = None,
+    ):
         super().__init__()
         self.model = model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes
         self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
+        self.gate_lr = lr if gate_lr is None else gate_lr
         self.save_hyperparameters(ignore=["model", "teacher"])  # modules, not hyperparameters (Distiller's teacher)
         classes = model.config.num_labels
         task = "binary" if classes == 2 else "multiclass"
@@ -62,13 +74,22 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
         self.log("val/mcc", self.val_mcc)
 
     def configure_optimizers(self) -> Any:
-        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2 or "norm" in n.lower()]
-        ids = {id(p) for p in no_decay}
+        gates = gate_parameters(self.model)
+        ids = {id(p) for p in gates}
+        no_decay = [
+            p for n, p in self.model.named_parameters() if (p.ndim < 2 or "norm" in n.lower()) and id(p) not in ids
+        ]
+        ids |= {id(p) for p in no_decay}
         decay = [p for p in self.parameters() if id(p) not in ids]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.lr,
-        )
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+            {"params": gates, "weight_decay": 0.0, "lr": self.gate_lr, "name": "gates"},
+        ]
+        # An attached model keeps its gates group even when empty, as in attnreg.optim: a resumed
+        # optimizer must have the groups of its checkpoint, taken before or after gates were folded.
+        kept = [group for group in groups if group["params"] or (group["name"] == "gates" and is_attached(self.model))]
+        optimizer = torch.optim.AdamW(kept, lr=self.lr)
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = get_linear_schedule_with_warmup(optimizer, int(self.warmup * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -5,6 +5,9 @@ Every parameter belongs to exactly one layer group, found through the family tab
 - `embeddings`: parameters of the base model registered before its first transformer block (token,
   position and type embeddings, their norm, ELECTRA's `embeddings_project`);
 - `layer0` ... `layer{N-1}`: everything inside block i (attnreg's per-head gates included);
+- `gates`: attnreg's per-head gates (`HeadGating`, `hub.gate`), in no layer: which heads close must
+  follow the heads' use, not their layer's decayed rate. They train at `lr` (times `multipliers["gates"]`,
+  usually large) without weight decay;
 - `head`: everything else: final norms (GPT-2 `ln_f`, Llama/Qwen2 `norm`), BERT's pooler, the task head,
   and parameters of the LightningModule outside the transformers model. A language-model head tied to the
   input embeddings is one parameter, and it stays in `embeddings`.
@@ -35,11 +38,13 @@ from typing import Any
 from torch import nn
 
 from attnreg.families import detect_family
-from attnreg.hub import GATE
+from attnreg.hub import GATE, is_attached
 from attnreg.mixin import find_transformers_model
+from attnreg.pruning import gate_parameters
 
 EMBEDDINGS = "embeddings"
 HEAD = "head"
+GATES = "gates"
 NO_DECAY = "/no_decay"
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -47,8 +52,8 @@ LayerKey = str | int
 
 
 def layer_group_names(num_layers: int) -> list[str]:
-    """`["embeddings", "layer0", ..., "layer{N-1}", "head"]`, from the input side up."""
-    return [EMBEDDINGS, *(f"layer{index}" for index in range(num_layers)), HEAD]
+    """`["embeddings", "layer0", ..., "layer{N-1}", "head", "gates"]`, from the input side up."""
+    return [EMBEDDINGS, *(f"layer{index}" for index in range(num_layers)), HEAD, GATES]
 
 
 def parameters_by_layer(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -63,6 +68,7 @@ def parameters_by_layer(model: nn.Module) -> dict[str, list[tuple[str, nn.Parame
     """
     transformers_model = find_transformers_model(model)
     blocks = detect_family(transformers_model).blocks(transformers_model)
+    gates = {id(param) for param in gate_parameters(transformers_model)}
     layer_of = {id(param): index for index, block in enumerate(blocks) for param in block.parameters()}
     before_blocks = set()
     for param in transformers_model.base_model.parameters():
@@ -71,7 +77,9 @@ def parameters_by_layer(model: nn.Module) -> dict[str, list[tuple[str, nn.Parame
         before_blocks.add(id(param))
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name in layer_group_names(len(blocks))}
     for name, param in model.named_parameters():
-        if id(param) in layer_of:
+        if id(param) in gates:
+            groups[GATES].append((name, param))
+        elif id(param) in layer_of:
             groups[f"layer{layer_of[id(param)]}"].append((name, param))
         elif id(param) in before_blocks:
             groups[EMBEDDINGS].append((name, param))
@@ -90,7 +98,7 @@ def electra_layer_factors(num_layers: int, decay: float) -> dict[str, float]:
     """
     _check_decay(decay)
     depths = {EMBEDDINGS: 0, **{f"layer{index}": index + 1 for index in range(num_layers)}, HEAD: num_layers + 2}
-    return {name: decay ** (num_layers + 2 - depth) for name, depth in depths.items()}
+    return {name: decay ** (num_layers + 2 - depth) for name, depth in depths.items()} | {GATES: 1.0}
 
 
 def layerwise_param_groups(
@@ -106,13 +114,14 @@ def layerwise_param_groups(
 
     - `decay`: ELECTRA's layer-wise decay in (0, 1] (see the module docstring); None = flat.
     - `multipliers`: extra learning-rate factors, a dict keyed by group name (`"embeddings"`, `"layer3"`,
-      `"head"`) or layer index, or a list with one factor per transformer layer; they multiply the decay.
+      `"head"`, `"gates"`) or layer index, or a list with one factor per transformer layer; they multiply the decay.
     - `freeze`: group names or layer indices whose parameters get `requires_grad=False` and are left out.
       Parameters already frozen elsewhere stay in their group (so they train if unfrozen later).
     - `weight_decay`: for every parameter except those `no_decay` selects: regular expressions searched in
       the parameter names, or by default biases, normalization layers (LayerNorm, RMSNorm) and gates.
 
-    Empty groups are left out. Bad input raises before the model is changed.
+    Empty groups are left out, except `gates` on an attached model (see the code). Bad input raises before
+    the model is changed.
 
     Example:
         >>> optimizer = torch.optim.AdamW(layerwise_param_groups(model, lr=1e-4, decay=0.8, multipliers={"head": 10}))
@@ -122,20 +131,23 @@ def layerwise_param_groups(
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float) or not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     layers = parameters_by_layer(model)
-    num_layers = len(layers) - 2
+    num_layers = len(layers) - 3
     factors = electra_layer_factors(num_layers, decay) if decay is not None else dict.fromkeys(layers, 1.0)
     for name, factor in _multiplier_table(multipliers, list(layers), num_layers).items():
         factors[name] *= factor
     frozen = set() if freeze is None else set(resolve_layer_groups(freeze, list(layers), "freeze"))
-    if len(frozen) == len(layers):
+    if all(name in frozen or not named for name, named in layers.items()):
         raise ValueError(f"freeze={sorted(frozen)} freezes every layer group: nothing would train")
     skip_decay = _no_decay_rule(model, no_decay)
+    # An attached model always has a gates group, empty or not: gates come and go (HeadGating folds them at
+    # the end), and a resumed optimizer must have the groups of its checkpoint.
+    attached = is_attached(find_transformers_model(model))
 
     groups = []
     for name, named in layers.items():
         if name in frozen:
             continue
-        if weight_decay > 0:
+        if weight_decay > 0 and name != GATES:
             parts = [
                 (name, [p for n, p in named if not skip_decay(n, p)], float(weight_decay)),
                 (name + NO_DECAY, [p for n, p in named if skip_decay(n, p)], 0.0),
@@ -143,7 +155,7 @@ def layerwise_param_groups(
         else:
             parts = [(name, [p for _, p in named], 0.0)]
         for group_name, params, group_decay in parts:
-            if params:
+            if params or (group_name == GATES and attached):
                 groups.append(
                     {"name": group_name, "params": params, "lr": lr * factors[name], "weight_decay": group_decay}
                 )
@@ -161,7 +173,7 @@ def resolve_layer_groups(keys: Iterable[LayerKey] | LayerKey, names: Sequence[st
 
 
 def _group_name(key: LayerKey, names: Sequence[str], argument: str) -> str:
-    num_layers = len(names) - 2
+    num_layers = len(names) - 3
     if isinstance(key, int) and not isinstance(key, bool):
         if not 0 <= key < num_layers:
             raise IndexError(f"{argument}: layer {key} is out of range, the model has {num_layers} layers")

@@ -7,7 +7,9 @@ record of removed heads is kept in `model.config.attnreg_pruned_heads`, so it is
 
 Grouped-query models (Llama, Qwen2, Mistral): a key/value head is shared by a group of query heads,
 and can go only when its whole group goes. Requested heads of a group that keeps other heads are
-kept; `PruneReport.kept` says which and why.
+silenced in place instead (`silence_heads`): they add exactly nothing, as if their gate were 0, stay so
+through training, saving and loading, and are recorded in `model.config.attnreg_silenced_heads`;
+`PruneReport.kept` says which and why. A later request that takes the rest of their group removes them.
 
 Example:
     >>> from attnreg.tiny import tiny_model
@@ -17,7 +19,7 @@ Example:
     ({0: (2, 2), 1: (3, 3)}, {0: (1, 3), 1: (0,)})
     >>> prune_heads(model, {0: [2]}).heads[0]                # original numbers: head 2 is still head 2
     (1, 1)
-    >>> save_pruned(model, "pruned"); same = load_pruned("pruned")
+    >>> save_pruned(model, "pruned", tokenizer=tokenizer); same = load_pruned("pruned")
 """
 
 from __future__ import annotations
@@ -37,11 +39,15 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from attnreg.families import Family, detect_family, scale_input_columns
+from attnreg.families import Family, detect_family
 from attnreg.hub import GATE, TEMPERATURE, AttentionHub, attach, detach, hub_of
 
 PRUNED_HEADS = "attnreg_pruned_heads"
 """Name of the `model.config` attribute (and of the Lightning checkpoint entry) recording removed heads."""
+SILENCED_HEADS = "attnreg_silenced_heads"
+"""Name of the `model.config` attribute (and of the Lightning checkpoint entry) recording silenced heads."""
+SILENCE = "attnreg_silence"
+"""Name of the non-persistent buffer (1 per head, 0 where silenced) on an output projection with silenced heads."""
 FOLDED_GATES = "attnreg_folded_gates"
 """Lightning checkpoint entry: layers whose gates were folded into the weights (so the checkpoint has none)."""
 SPEC_FILE = "attnreg_pruning.json"
@@ -55,8 +61,27 @@ HeadSpec = Mapping[int, Iterable[int]]
 # ---------------------------------------------------------------------------------------------
 def pruned_heads(model: nn.Module) -> dict[int, tuple[int, ...]]:
     """Original numbers of the heads removed so far, per layer (layers that lost none are left out)."""
-    raw = getattr(getattr(model, "config", None), PRUNED_HEADS, None) or {}
+    return _read_record(model, PRUNED_HEADS)
+
+
+def silenced_heads(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """Original numbers of the heads silenced in place (`silence_heads`), per layer.
+
+    Example:
+        >>> prune_heads(llama, {0: [1]}).kept   # its key/value group keeps head 0
+        >>> silenced_heads(llama)
+        {0: (1,)}
+    """
+    return _read_record(model, SILENCED_HEADS)
+
+
+def _read_record(model: nn.Module, name: str) -> dict[int, tuple[int, ...]]:
+    raw = getattr(getattr(model, "config", None), name, None) or {}
     return {int(layer): tuple(heads) for layer, heads in sorted(raw.items(), key=lambda item: int(item[0])) if heads}
+
+
+def _write_record(model: nn.Module, name: str, record: Mapping[int, Iterable[int]]) -> None:
+    setattr(model.config, name, {str(layer): sorted(heads) for layer, heads in sorted(record.items()) if heads})
 
 
 def head_numbers(model: nn.Module, layer: int) -> tuple[int, ...]:
@@ -84,9 +109,10 @@ class SlicedTensor:
 class PruneReport:
     """What `prune_heads` did.
 
-    `removed`: original numbers of the heads removed by this call, per layer. `kept`: requested heads
-    left in place, with the reason (grouped-query rule). `heads`: (query heads, key/value heads) per
-    layer afterwards. `sliced`: every tensor that was cut, for `slice_optimizer_state`.
+    `removed`: original numbers of the heads removed by this call, per layer (with heads silenced
+    earlier whose group went now). `kept`: requested heads left in place but silenced (they add exactly
+    nothing; see `silence_heads`), with the reason (grouped-query rule). `heads`: (query heads, key/value
+    heads) per layer afterwards. `sliced`: every tensor that was cut, for `slice_optimizer_state`.
     """
 
     removed: dict[int, tuple[int, ...]]
@@ -108,6 +134,7 @@ class _LayerPlan:
     kv_keep: tuple[int, ...]  # current positions of the key/value heads that stay
     removed: tuple[int, ...]  # original numbers removed now
     kept: dict[int, str]
+    silenced: tuple[int, ...]  # original numbers silenced afterwards
 
 
 def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.optim.Optimizer] = ()) -> PruneReport:
@@ -119,6 +146,10 @@ def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.op
     state (Adam moments) the same way. Gates and temperatures of the hub are sliced along. A layer may
     lose all its heads: its attention then adds only the output projection's bias.
 
+    Grouped-query models: a requested head whose key/value group keeps other heads is silenced in
+    place (`silence_heads`, with `optimizers`), listed in `PruneReport.kept`, and a warning says so. A
+    group goes once every head of it has been requested, in this call or silenced by an earlier one.
+
     Example:
         >>> report = prune_heads(model, {0: [0, 1]}, optimizers=[optimizer])
         >>> report.removed, report.kept
@@ -126,6 +157,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.op
     """
     family = detect_family(model)
     plans = _plan(model, family, heads)
+    optimizers = _as_list(optimizers)
     before = count_parameters(model)
     sliced: list[SlicedTensor] = []
     dropped: list[nn.Parameter] = []
@@ -134,17 +166,22 @@ def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.op
             layer_sliced, layer_dropped = _prune_layer(model, family, plan)
             sliced += layer_sliced
             dropped += layer_dropped
-    record = pruned_heads(model)
+    record, silenced = pruned_heads(model), silenced_heads(model)
     for plan in plans.values():
-        if plan.removed:
-            record[plan.layer] = tuple(sorted((*record.get(plan.layer, ()), *plan.removed)))
-    setattr(model.config, PRUNED_HEADS, {str(layer): list(removed) for layer, removed in sorted(record.items())})
-    for optimizer in _as_list(optimizers):
+        record[plan.layer] = tuple(sorted((*record.get(plan.layer, ()), *plan.removed)))
+        silenced[plan.layer] = plan.silenced
+    _write_record(model, PRUNED_HEADS, record)
+    _write_record(model, SILENCED_HEADS, silenced)
+    for optimizer in optimizers:
         slice_optimizer_state(optimizer, sliced)
         drop_from_optimizer(optimizer, dropped)
+    for plan in plans.values():
+        _apply_silence(model, family, plan.layer, optimizers)
     kept = {plan.layer: plan.kept for plan in plans.values() if plan.kept}
     if kept:
-        warnings.warn(f"prune_heads kept requested heads (grouped-query attention): {kept}", stacklevel=2)
+        warnings.warn(
+            f"prune_heads kept requested heads in place, silenced (grouped-query attention): {kept}", stacklevel=2
+        )
     layout = {}
     for layer in range(len(family.blocks(model))):
         layout[layer] = family.head_counts(family.attention_module(model, layer))
@@ -160,20 +197,50 @@ def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.op
 
 def _plan(model: nn.Module, family: Family, heads: HeadSpec) -> dict[int, _LayerPlan]:
     """Check a whole request against the model and work out, per layer, which heads stay."""
+    request = _check_request(model, family, heads)
+    record, silenced = pruned_heads(model), silenced_heads(model)
+    plans = {}
+    for layer, seen in request.items():
+        num_heads, num_kv = family.head_counts(family.attention_module(model, layer))
+        already, quiet = set(record.get(layer, ())), set(silenced.get(layer, ()))
+        original = num_heads + len(already)
+        group = num_heads // num_kv
+        current_groups = [g for g in range(original // group) if not set(_members(g, group)) <= already]
+        removed, kept, kv_keep = [], {}, []
+        for position, g in enumerate(current_groups):
+            members = _members(g, group)
+            if set(members) <= quiet | seen and not seen.isdisjoint(members):
+                removed.extend(members)
+                continue
+            kv_keep.append(position)
+            stay = [h for h in members if h not in quiet | seen]
+            for head in members:
+                if head in seen:
+                    kept[head] = (
+                        f"silenced in place: its key/value head {g} is shared with query heads {stay} that stay"
+                    )
+        now_gone = already | set(removed)
+        current = [h for h in range(original) if h not in already]
+        query_keep = tuple(position for position, h in enumerate(current) if h not in now_gone)
+        silenced_after = tuple(sorted((quiet | seen) - set(removed)))
+        plans[layer] = _LayerPlan(layer, query_keep, tuple(kv_keep), tuple(sorted(removed)), kept, silenced_after)
+    return plans
+
+
+def _check_request(model: nn.Module, family: Family, heads: HeadSpec) -> dict[int, set[int]]:
+    """The heads of a request per layer (layers with none left out), after checking every layer and head."""
     if not isinstance(heads, Mapping):
         raise TypeError(f"heads must map layer -> head numbers, e.g. {{0: [1, 2]}}; got {type(heads).__name__}")
     num_layers = len(family.blocks(model))
     record = pruned_heads(model)
-    plans = {}
+    request = {}
     for layer, requested in heads.items():
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
             raise IndexError(
                 f"layer {layer!r} is out of range: {type(model).__name__} has {num_layers} attention layers "
                 f"(0 to {num_layers - 1})"
             )
-        requested = list(requested)
-        attention = family.attention_module(model, layer)
-        num_heads, num_kv = family.head_counts(attention)
+        num_heads, _ = family.head_counts(family.attention_module(model, layer))
         already = set(record.get(layer, ()))
         original = num_heads + len(already)
         seen: set[int] = set()
@@ -186,34 +253,14 @@ def _plan(model: nn.Module, family: Family, heads: HeadSpec) -> dict[int, _Layer
             if head in already:
                 raise ValueError(
                     f"head {head} of layer {layer} was already pruned (removed there so far: {sorted(already)}); "
-                    "nothing was pruned"
+                    "nothing was changed"
                 )
             if head in seen:
-                raise ValueError(f"head {head} of layer {layer} is listed twice; nothing was pruned")
+                raise ValueError(f"head {head} of layer {layer} is listed twice; nothing was changed")
             seen.add(head)
-        if not requested:
-            continue
-        group = num_heads // num_kv
-        gone = already | seen
-        current_groups = [g for g in range(original // group) if not all(h in already for h in _members(g, group))]
-        removed, kept, kv_keep = [], {}, []
-        for position, g in enumerate(current_groups):
-            members = _members(g, group)
-            if all(h in gone for h in members):
-                removed.extend(h for h in members if h in seen)
-                continue
-            kv_keep.append(position)
-            for head in members:
-                if head in seen:
-                    kept[head] = (
-                        f"its key/value head {g} is shared with query heads "
-                        f"{[h for h in members if h not in gone]} that stay"
-                    )
-        now_gone = already | set(removed)
-        current = [h for h in range(original) if h not in already]
-        query_keep = tuple(position for position, h in enumerate(current) if h not in now_gone)
-        plans[layer] = _LayerPlan(layer, query_keep, tuple(kv_keep), tuple(sorted(removed)), kept)
-    return plans
+        if seen:
+            request[layer] = seen
+    return request
 
 
 def _members(group: int, size: int) -> range:
@@ -367,20 +414,66 @@ def drop_from_optimizer(optimizer: torch.optim.Optimizer, parameters: Iterable[t
         del optimizer.state[parameter]
 
 
-def silence_heads(model: nn.Module, heads: HeadSpec) -> None:
-    """Zero the output-projection columns of heads (original numbers): they keep running but add nothing.
+def silence_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+    """Silence heads in place, given per layer by their original numbers: they keep running but add
+    exactly nothing, as if their gate were 0.
 
-    Used for heads the grouped-query rule keeps although they were chosen for removal.
+    Their output-projection input columns are zeroed, and a forward pre-hook on the projection zeroes
+    their context, so those columns get no gradient and further training keeps them at zero; pass
+    `optimizers` to zero their state there too (Adam moments taken before would otherwise move them).
+    The heads are recorded in `model.config.attnreg_silenced_heads` (`silenced_heads`), so `save_pruned`,
+    `load_pruned` and Lightning checkpoints keep them silenced, and a later `prune_heads` that names them
+    removes them. `prune_heads` silences the heads the grouped-query rule keeps. The request is checked
+    as `prune_heads` checks it; on any error nothing changes.
+
+    Example:
+        >>> silence_heads(model, {0: [1]}, optimizers=[optimizer])
+        >>> silenced_heads(model)
+        {0: (1,)}
     """
     family = detect_family(model)
-    for layer, chosen in heads.items():
-        numbers = head_numbers(model, layer)
-        attention = family.attention_module(model, layer)
-        scale = torch.ones(len(numbers))
-        for head in chosen:
-            if head in numbers:
-                scale[numbers.index(head)] = 0.0
-        scale_input_columns(family.out_projection(model, layer), scale.repeat_interleave(family.head_dim(attention)))
+    request = _check_request(model, family, heads)
+    record = silenced_heads(model)
+    for layer, chosen in request.items():
+        record[layer] = tuple(sorted({*record.get(layer, ()), *chosen}))
+    _write_record(model, SILENCED_HEADS, record)
+    for layer in request:
+        _apply_silence(model, family, layer, _as_list(optimizers))
+
+
+def _apply_silence(model: nn.Module, family: Family, layer: int, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Make the output projection of `layer` follow the record: silenced columns (and their optimizer
+    state) zeroed, and the hook with its per-head buffer installed, updated or removed."""
+    projection = family.out_projection(model, layer)
+    hooks = projection._forward_pre_hooks
+    for key in [key for key, hook in hooks.items() if isinstance(hook, _SilenceHook)]:
+        del hooks[key]
+    projection._buffers.pop(SILENCE, None)
+    silenced = silenced_heads(model).get(layer, ())
+    if not silenced:
+        return
+    weight = projection.weight
+    scale = torch.tensor([0.0 if head in silenced else 1.0 for head in head_numbers(model, layer)])
+    columns = scale.repeat_interleave(family.head_dim(family.attention_module(model, layer)))
+    columns = columns[:, None] if isinstance(projection, Conv1D) else columns[None, :]
+    with torch.no_grad():
+        weight.mul_(columns.to(weight))
+        for optimizer in optimizers:
+            for value in optimizer.state.get(weight, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == weight.shape:
+                    value.mul_(columns.to(value))
+    projection.register_buffer(SILENCE, scale.to(weight), persistent=False)
+    projection.register_forward_pre_hook(_SilenceHook())
+
+
+class _SilenceHook:
+    """Forward pre-hook on an output projection: zeroes the context of the heads its `SILENCE` buffer marks 0."""
+
+    def __call__(self, projection: nn.Module, args: tuple) -> tuple:
+        scale = getattr(projection, SILENCE)
+        context = args[0]
+        heads = context.view(*context.shape[:-1], scale.shape[0], -1) * scale.to(context.dtype)[:, None]
+        return (heads.view(context.shape), *args[1:])
 
 
 def _as_list(optimizers: Iterable[torch.optim.Optimizer] | torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -559,10 +652,19 @@ def to_original_numbers(model: nn.Module, positions: Mapping[int, Iterable[int]]
 # ---------------------------------------------------------------------------------------------
 # Saving and loading
 # ---------------------------------------------------------------------------------------------
-def save_pruned(model: transformers.PreTrainedModel, directory: str | Path) -> Path:
-    """Save a (pruned) model: safetensors weights and config via `save_pretrained`, plus `attnreg_pruning.json`.
+def save_pruned(
+    model: transformers.PreTrainedModel,
+    directory: str | Path,
+    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Save a (pruned) model: safetensors weights and config via `save_pretrained`, plus `attnreg_pruning.json`,
+    and `tokenizer` beside them when given (tools such as `attnreg-analyze` need it).
 
     Hub gates and temperatures are saved too; hard-concrete gates must be folded first (`fold_gates`).
+
+    Example:
+        >>> save_pruned(model, "out/pruned", tokenizer=tokenizer)
+        >>> model = load_pruned("out/pruned"); tokenizer = AutoTokenizer.from_pretrained("out/pruned")
     """
     family = detect_family(model)
     hub = _hub_or_none(model)
@@ -571,12 +673,15 @@ def save_pruned(model: transformers.PreTrainedModel, directory: str | Path) -> P
             "save_pruned: the model has gate modules (hard-concrete); fold them first with fold_gates(model)"
         )
     directory = Path(directory)
-    model.save_pretrained(directory)
+    type(model).save_pretrained(model, directory)  # not an attached model's own, which folds gates: these load back
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
     spec = {
         "format": _SPEC_FORMAT,
         "class": type(model).__name__,
         "family": family.name,
         "pruned_heads": {str(layer): list(heads) for layer, heads in pruned_heads(model).items()},
+        "silenced_heads": {str(layer): list(heads) for layer, heads in silenced_heads(model).items()},
         "heads": [
             list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))
         ],
@@ -602,17 +707,18 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
     if model_class is None:
         raise ValueError(f"{spec_path}: class {spec['class']!r} is not a transformers class")
     config = transformers.AutoConfig.from_pretrained(directory)
-    recorded = getattr(config, PRUNED_HEADS, None) or {}
-    if {k: list(v) for k, v in recorded.items()} != spec["pruned_heads"]:
-        raise ValueError(
-            f"{directory}: config.json records pruned heads {recorded} but {SPEC_FILE} says {spec['pruned_heads']}"
-        )
-    setattr(config, PRUNED_HEADS, {})
+    for name, key in ((PRUNED_HEADS, "pruned_heads"), (SILENCED_HEADS, "silenced_heads")):
+        recorded = getattr(config, name, None) or {}
+        if {k: list(v) for k, v in recorded.items()} != spec.get(key, {}):
+            raise ValueError(
+                f"{directory}: config.json records {key.replace('_', ' ')} {recorded} but {SPEC_FILE} says "
+                f"{spec.get(key, {})}"
+            )
+        setattr(config, name, {})
     model = model_class(config)
     family = detect_family(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prune_heads(model, {int(layer): heads for layer, heads in spec["pruned_heads"].items()})
+    prune_heads(model, {int(layer): heads for layer, heads in spec["pruned_heads"].items()})
+    silence_heads(model, {int(layer): heads for layer, heads in spec.get("silenced_heads", {}).items()})
     layout = [list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))]
     if layout != spec["heads"]:
         raise ValueError(
@@ -673,12 +779,13 @@ def _layer_of(family: Family, key: str) -> str:
 # Lightning checkpoints
 # ---------------------------------------------------------------------------------------------
 def add_pruning_to_checkpoint(model: nn.Module, checkpoint: dict) -> None:
-    """Record the model's pruned heads in a Lightning checkpoint dict (from `on_save_checkpoint`)."""
+    """Record the model's pruned and silenced heads in a Lightning checkpoint dict (from `on_save_checkpoint`)."""
     checkpoint[PRUNED_HEADS] = {str(layer): list(heads) for layer, heads in pruned_heads(model).items()}
+    checkpoint[SILENCED_HEADS] = {str(layer): list(heads) for layer, heads in silenced_heads(model).items()}
 
 
 def restore_pruning(model: nn.Module, checkpoint: dict) -> PruneReport | None:
-    """Re-apply the pruning a Lightning checkpoint records, before its weights load.
+    """Re-apply the pruning (removed and silenced heads) a Lightning checkpoint records, before its weights load.
 
     Call it from `LightningModule.on_load_checkpoint` (which Lightning runs before loading the state
     dict). Gates of the layers the checkpoint lists under `FOLDED_GATES` (folded into the weights at
@@ -688,18 +795,23 @@ def restore_pruning(model: nn.Module, checkpoint: dict) -> PruneReport | None:
     if PRUNED_HEADS not in checkpoint:
         return None
     wanted = {int(layer): set(heads) for layer, heads in checkpoint[PRUNED_HEADS].items()}
-    current = pruned_heads(model)
-    extra = {layer: sorted(set(heads) - wanted.get(layer, set())) for layer, heads in current.items()}
-    extra = {layer: heads for layer, heads in extra.items() if heads}
+    quiet = {int(layer): set(heads) for layer, heads in checkpoint.get(SILENCED_HEADS, {}).items()}
+    current, silenced = pruned_heads(model), silenced_heads(model)
+    extra = {
+        layer: sorted(
+            {*current.get(layer, ()), *silenced.get(layer, ())} - wanted.get(layer, set()) - quiet.get(layer, set())
+        )
+        for layer in {*current, *silenced}
+    }
+    extra = {layer: heads for layer, heads in sorted(extra.items()) if heads}
     if extra:
-        raise ValueError(f"the model has heads pruned that the checkpoint does not record: {extra}")
+        raise ValueError(f"the model has heads pruned or silenced that the checkpoint does not record: {extra}")
     missing = {layer: sorted(heads - set(current.get(layer, ()))) for layer, heads in wanted.items()}
     missing = {layer: heads for layer, heads in missing.items() if heads}
-    report = None
-    if missing:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = prune_heads(model, missing)
+    report = prune_heads(model, missing) if missing else None
+    silenced = silenced_heads(model)
+    unsilenced = {layer: sorted(heads - set(silenced.get(layer, ()))) for layer, heads in quiet.items()}
+    silence_heads(model, {layer: heads for layer, heads in unsilenced.items() if heads})
     hub = _hub_or_none(model)
     if hub is not None:
         keys = checkpoint.get("state_dict", {})
@@ -860,10 +972,7 @@ def iterative_pruning(
             break
         best = step
     if apply and best.removed:
-        silence_heads(model, best.removed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prune_heads(model, best.removed)
+        prune_heads(model, best.removed)
     return curve
 
 

@@ -48,6 +48,20 @@ def eager_copy(model):
     return reference
 
 
+class Classifier(attnreg.AttnRegMixin, L.LightningModule):
+    """What a user writes: a LightningModule with the mixin around a transformers model, trained with Adam."""
+
+    def __init__(self, model, lr=1e-2):
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 def fit(module, batches, callbacks=()) -> L.Trainer:
     """A real, quiet Lightning fit on CPU: one step per batch in `batches` (already collated)."""
     trainer = L.Trainer(

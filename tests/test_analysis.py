@@ -9,7 +9,7 @@ import huggingface_hub
 import numpy as np
 import pytest
 import torch
-from transformers import BertTokenizer
+from transformers import AutoTokenizer, BertTokenizer
 
 import attnreg
 from attnreg.analysis import (
@@ -22,6 +22,7 @@ from attnreg.analysis import (
     TokenSimilarity,
     analyze,
     attention_statistics,
+    check_tokenizer,
     head_roles,
     parent_accuracy,
     predicted_heads,
@@ -29,7 +30,7 @@ from attnreg.analysis import (
     word_attention,
 )
 from attnreg.analyze import load_model, main
-from attnreg.pruning import prune_heads
+from attnreg.pruning import prune_heads, save_pruned
 from attnreg.syntax import Alignment, Sentence, align_offsets
 from attnreg.tiny import tiny_model
 
@@ -401,6 +402,50 @@ def test_analyze_command_refuses_bad_models_clearly(saved_model, monkeypatch, ca
     with pytest.raises(SystemExit):
         main([str(saved_model / "run.ckpt"), data])
     assert "--base" in capsys.readouterr().err
+
+
+def pruned_without_tokenizer(saved_model):
+    """A pruned model saved with `save_pruned` and no tokenizer (the folder then has none)."""
+    model = tiny_model("bert", vocab=len(word_tokenizer()), layers=2, heads=4, hidden=32)
+    prune_heads(model, {0: [1]})
+    return model, save_pruned(model, saved_model / "pruned")
+
+
+def test_analyze_command_refuses_a_tokenizer_that_cannot_tokenize_the_text(saved_model, capsys):
+    _, pruned = pruned_without_tokenizer(saved_model)
+    data = str(saved_model / "dev.conllu")
+    options = ["--out", str(saved_model / "report"), "--no-plots"]
+    with pytest.raises(SystemExit) as exit_info:  # transformers would build a 5-entry tokenizer: all [UNK]
+        main([str(pruned), data, *options])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "no tokenizer files" in error and "--tokenizer" in error
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    BertTokenizer(vocab={token: index for index, token in enumerate(specials)}).save_pretrained(saved_model / "empty")
+    with pytest.raises(SystemExit) as exit_info:  # tokenizer files that know none of the words
+        main([str(pruned), data, "--tokenizer", str(saved_model / "empty"), *options])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "100% of the" in error and "--tokenizer" in error
+    assert main([str(pruned), data, "--tokenizer", str(saved_model / "model"), *options]) == 0
+
+
+def test_save_pruned_saves_the_tokenizer_beside_the_model(saved_model):
+    model, _ = pruned_without_tokenizer(saved_model)
+    save_pruned(model, saved_model / "with_tokenizer", tokenizer=word_tokenizer())
+    loaded, tokenizer = load_model(str(saved_model / "with_tokenizer"))
+    assert tokenizer.get_vocab() == word_tokenizer().get_vocab() and type(loaded) is type(model)
+    options = ["--out", str(saved_model / "report"), "--no-plots"]
+    assert main([str(saved_model / "with_tokenizer"), str(saved_model / "dev.conllu"), *options]) == 0
+
+
+def test_check_tokenizer_counts_words_it_cannot_represent(tmp_path):
+    texts = ["the dogs see a cat .", "zebra quokka"]  # "see" and the last two words are not in WORDS
+    assert check_tokenizer(word_tokenizer(), [s.text for s in random_sentences(5)]) == 0.0
+    assert check_tokenizer(word_tokenizer(), texts) == pytest.approx(3 / 8)
+    with pytest.raises(ValueError, match=r"38% of the 8 words .*'see', 'zebra', 'quokka'"):
+        check_tokenizer(word_tokenizer(), texts, max_unknown=0.25)
+    tiny_model("gpt2").save_pretrained(tmp_path)  # a byte-level tokenizer built from nothing gives no tokens at all
+    with pytest.raises(ValueError, match="100% of the 8 words"):
+        check_tokenizer(AutoTokenizer.from_pretrained(tmp_path), texts)
 
 
 def test_lightning_checkpoint_loads_with_its_base(saved_model):

@@ -50,7 +50,7 @@ def model_of(family, **sizes):
 def test_every_family_gets_embeddings_layers_and_head(family):
     model = model_of(family, layers=3)
     by_layer = parameters_by_layer(model)
-    assert list(by_layer) == ["embeddings", "layer0", "layer1", "layer2", "head"]
+    assert list(by_layer) == ["embeddings", "layer0", "layer1", "layer2", "head", "gates"]
     names = {group: [name for name, _ in named] for group, named in by_layer.items()}
     blocks = detect_family(model).blocks_path
     for index in range(3):
@@ -102,21 +102,29 @@ def test_multipliers_freeze_and_weight_decay_groups():
     model = tiny_model("qwen2", head="classification", layers=3)
     gate = attnreg.attach(model).gate(1)
     groups = layerwise_param_groups(
-        model, lr=1.0, decay=0.5, multipliers={"head": 10, 0: 3.0}, freeze=["embeddings"], weight_decay=0.1
+        model,
+        lr=1.0,
+        decay=0.5,
+        multipliers={"head": 10, 0: 3.0, "gates": 100},
+        freeze=["embeddings"],
+        weight_decay=0.1,
     )
     by_name = {group["name"]: group for group in groups}
     assert list(by_name) == [
         *(f"layer{i}{suffix}" for i in range(3) for suffix in ("", "/no_decay")),
         "head",
         "head/no_decay",
+        "gates",
     ]
+    assert by_name["gates"]["params"] == [gate]  # not in layer 1's group, at its decayed rate
+    assert (by_name["gates"]["lr"], by_name["gates"]["weight_decay"]) == (100.0, 0.0)
     assert [by_name[f"layer{i}"]["lr"] for i in range(3)] == [0.5**4 * 3.0, 0.5**3, 0.5**2]
     assert by_name["head"]["lr"] == by_name["head/no_decay"]["lr"] == 10.0
     assert {g["weight_decay"] for n, g in by_name.items() if n.endswith("/no_decay")} == {0.0}
-    assert {g["weight_decay"] for n, g in by_name.items() if not n.endswith("/no_decay")} == {0.1}
+    assert {g["weight_decay"] for n, g in by_name.items() if not n.endswith("/no_decay") and n != "gates"} == {0.1}
     block = model.model.layers[1]
     no_decay = {id(p) for p in by_name["layer1/no_decay"]["params"]}
-    expected = [block.input_layernorm.weight, block.post_attention_layernorm.weight, gate]
+    expected = [block.input_layernorm.weight, block.post_attention_layernorm.weight]
     expected += [getattr(block.self_attn, f"{x}_proj").bias for x in "qkv"]  # Qwen2 has q/k/v biases
     assert {id(p) for p in expected} == no_decay
     assert not model.model.embed_tokens.weight.requires_grad

@@ -101,16 +101,18 @@ def test_grouped_query_rule():
     model = tiny_model("llama", layers=2).eval()  # 4 query heads share 2 key/value heads: groups {0, 1}, {2, 3}
     batch = padded_batch()
     saved = state(model)
-    with pytest.warns(UserWarning, match="kept requested heads"):
+    with pytest.warns(UserWarning, match="kept requested heads in place, silenced"):
         report = prune_heads(model, {0: [0]})
     assert report.removed == {} and list(report.kept[0]) == [0]
     assert "key/value head 0 is shared with query heads [1] that stay" in report.kept[0][0]
-    assert same_state(model, saved) and pruned_heads(model) == {}
+    assert pruned_heads(model) == {} and pruning.silenced_heads(model) == {0: (0,)}
+    changed = {key for key in saved if not torch.equal(model.state_dict()[key], saved[key])}
+    assert changed == {"layers.0.self_attn.o_proj.weight"}  # only head 0's columns, zeroed
     with pytest.warns(UserWarning):
         report = prune_heads(model, {0: [0, 1, 2]})
     assert report.removed == {0: (0, 1)} and list(report.kept[0]) == [2]
-    assert report.heads[0] == (2, 1)
-    reference = gated_reference(tiny_model("llama", layers=2).eval(), {0: [0, 1]})
+    assert report.heads[0] == (2, 1) and pruning.silenced_heads(model) == {0: (2,)}
+    reference = gated_reference(tiny_model("llama", layers=2).eval(), {0: [0, 1, 2]})
     assert (outputs(model, batch) - outputs(reference, batch)).abs().max() <= 1e-5
 
 

@@ -315,7 +315,7 @@ def test_a_weight_given_as_a_function_of_progress():
             self.used.append(gating.current_weight())
 
     fit(Classifier(tiny_model("bert", head="classification")), batches(4), [gating, Weights()])
-    assert gating.total_steps == 4 and Weights.used == pytest.approx([0.0, 0.05, 0.1, 0.15])  # steps 0-3 of 4
+    assert gating.length.total == 4 and Weights.used == pytest.approx([0.0, 0.05, 0.1, 0.15])  # steps 0-3 of 4
     negative = HeadGating(weight=lambda progress: -1.0)
     with pytest.raises(ValueError, match=r"HeadGating weight at progress 0: weight must be a finite number >= 0"):
         fit(Classifier(tiny_model("bert", head="classification")), batches(1), [negative])

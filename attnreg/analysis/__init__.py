@@ -38,6 +38,7 @@ from attnreg.analysis.heads import (
 )
 from attnreg.analysis.representations import TokenSimilarity, mean_token_similarity, token_importance
 from attnreg.analysis.runner import Analysis, analyze, head_statistics, parent_accuracy
+from attnreg.analysis.vocabulary import check_tokenizer
 
 __all__ = [
     "ATTENTION_STATISTICS",
@@ -58,6 +59,7 @@ __all__ = [
     "analyze",
     "attention_statistics",
     "batch_word_attention",
+    "check_tokenizer",
     "head_output_norms",
     "head_roles",
     "head_statistics",

@@ -29,6 +29,7 @@ from transformers.pytorch_utils import Conv1D
 from attnreg.analysis.dependencies import ParentAccuracy, SyntaxTargets
 from attnreg.analysis.heads import HeadRoles, HeadStatistics, RoleThresholds, TokenKinds, head_output_norms, head_roles
 from attnreg.analysis.representations import TokenSimilarity
+from attnreg.analysis.vocabulary import check_tokenizer
 from attnreg.hub import AttentionHub, attach
 from attnreg.pruning import head_numbers, pruned_heads
 from attnreg.syntax.align import align_offsets
@@ -90,7 +91,8 @@ def analyze(
 
     `data`: `Sentence`s with gold trees (`read_conllu`, `parse_texts`), batched here by `batch_size`
     and truncated to `max_length` tokens; or tokenized batches (then `syntax` is skipped). `tokenizer`
-    must be a fast tokenizer (character offsets); it also tells the special and punctuation tokens.
+    must be a fast tokenizer (character offsets) that can tokenize the sentences (`check_tokenizer`, else a
+    `ValueError`); it also tells the special and punctuation tokens.
     The model is attached to the hub and run in eval mode; its mode is restored. Pruned models work:
     heads keep their original numbers and removed ones read NaN.
 
@@ -107,6 +109,8 @@ def analyze(
     removed = pruned_heads(model)
     width = max(len(heads[layer]) + len(removed.get(layer, ())) for layer in range(layers))
     sentences = _as_sentences(data)
+    if sentences is not None:
+        check_tokenizer(tokenizer, [sentence.text for sentence in sentences])  # a wrong one gives a plausible report
     kinds = TokenKinds.from_tokenizer(tokenizer) if statistics else None
     result = Analysis(
         statistics=HeadStatistics.empty(layers, width) if statistics else None,

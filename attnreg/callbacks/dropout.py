@@ -13,18 +13,17 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from attnreg.families import Family
 from attnreg.hub import AttentionHub, attach
 from attnreg.mixin import find_transformers_model
-from attnreg.schedules import ScheduleLike, as_schedule, schedule_values
+from attnreg.progress import TrainingLength, changes_over_training
+from attnreg.schedules import Constant, ScheduleLike, as_schedule, schedule_values
 
 
 def hidden_dropout_modules(model: nn.Module, family: Family, layers: Iterable[int] | None = None) -> list[nn.Dropout]:
@@ -59,8 +58,8 @@ class AttentionDropoutSchedule(L.Callback):
       when given), logged as `attnreg/<hidden_name>`; families without any (Llama, Qwen2) raise.
     - `total_steps`: the steps the schedule spans; by default the trainer's `estimated_stepping_batches`.
 
-    Progress is `trainer.global_step / total_steps`, so a run resumed at step k uses the uninterrupted
-    run's value; the total is saved in the checkpoint, so the schedule keeps its shape on resume. The
+    Progress is `trainer.global_step / total_steps` (`attnreg.progress`: a run resumed at step k uses
+    the uninterrupted run's value; one resumed with a different length re-stretches the schedule). The
     LightningModule needs to hold exactly one transformers model (no mixin needed). After `fit` the model's
     own rates are restored.
 
@@ -79,11 +78,11 @@ class AttentionDropoutSchedule(L.Callback):
     ) -> None:
         self.schedule = as_schedule(schedule, "schedule")
         self.hidden = None if hidden is None else as_schedule(hidden, "hidden")
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)):
-            raise TypeError(f"total_steps must be an integer or None, got {total_steps!r}")
-        if total_steps is not None and total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        for label, rates in ((name, self.schedule), (hidden_name, self.hidden)):
+            if isinstance(rates, Constant):
+                _check_rates(rates, 1, label)  # a constant can be checked now; a schedule once its length is known
         self.layers = layers
+        self.length = TrainingLength(type(self).__name__, total_steps)
         self.total_steps = total_steps
         self.name = name
         self.hidden_name = hidden_name
@@ -91,11 +90,11 @@ class AttentionDropoutSchedule(L.Callback):
         self._chosen: tuple[int, ...] = ()
         self._hidden_modules: list[nn.Dropout] = []
         self._hidden_original: list[float] = []
-        self._total: int | None = None
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(name=self.name)
+        """Lightning's key for this callback's checkpoint state: distinct for differently set instances."""
+        return self._generate_state_key(name=self.name, layers=self.layers)
 
     # -- hooks --------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -115,32 +114,19 @@ class AttentionDropoutSchedule(L.Callback):
                 )
         self._hub, self._chosen = hub, chosen
         self._hidden_modules, self._hidden_original = modules, [module.p for module in modules]
-        self._total = None  # a checkpoint being resumed restores it after setup
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        estimate = self.total_steps or trainer.estimated_stepping_batches
-        if self._total is None:
-            if not math.isfinite(estimate):
-                raise ValueError(
-                    f"{type(self).__name__} needs the length of training: set max_steps or max_epochs on the "
-                    "Trainer, or total_steps= on the callback"
-                )
-            self._total = int(estimate)
-        elif math.isfinite(estimate) and int(estimate) != self._total:
-            rank_zero_warn(
-                f"{type(self).__name__}: the resumed schedule spans {self._total} steps as in its checkpoint, "
-                f"while this run is set up for {int(estimate)}; the checkpoint's length is kept"
-            )
         schedules = [(self.name, self.schedule), (self.hidden_name, self.hidden)]
+        self.length.start(trainer.estimated_stepping_batches, any(changes_over_training(s) for _, s in schedules))
         for label, schedule in schedules:
-            if schedule is not None:
-                _check_rates(schedule, self._total, label)
+            if schedule is not None and self.length.total is not None:
+                _check_rates(schedule, self.length.total, label)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._check_training_mode()
-        progress = min(trainer.global_step, self._total) / self._total
+        progress = self.length.progress(trainer.global_step)
         rate = float(self.schedule(progress))
         self._hub.set_attention_dropout(rate, self._chosen)
         pl_module.log(f"attnreg/{self.name}", rate, on_step=True, on_epoch=False)
@@ -173,10 +159,10 @@ class AttentionDropoutSchedule(L.Callback):
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"total_steps": self._total}
+        return self.length.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._total = state_dict["total_steps"]
+        self.length.load_state_dict(state_dict)
 
 
 def _check_rates(schedule: Callable[[float], float], total_steps: int, label: str) -> None:

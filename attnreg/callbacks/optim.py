@@ -37,6 +37,7 @@ from attnreg.optim import (
     parameters_by_layer,
     resolve_layer_groups,
 )
+from attnreg.progress import TrainingLength, changes_over_training
 from attnreg.schedules import ScheduleLike, as_schedule
 
 _CONFIGURE = "configure_optimizers"
@@ -50,7 +51,7 @@ class LayerwiseLR(L.Callback):
     - `schedule`: optional learning-rate factor as a function of progress (an `attnreg.schedules` schedule),
       stepped every optimizer step; `Warmup(0.06, Linear(1.0, 0.0))` is linear warmup and decay.
     - `total_steps`: the steps the schedule spans; by default the trainer's `estimated_stepping_batches`
-      (saved in the checkpoint, so a resumed run keeps the schedule's shape).
+      (`attnreg.progress`: a run resumed with more steps re-stretches the schedule over them, with a warning).
 
     The module's own `configure_optimizers` is ignored while the callback is attached.
 
@@ -75,10 +76,7 @@ class LayerwiseLR(L.Callback):
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
         if decay is not None:
             electra_layer_factors(0, decay)  # checks decay now rather than at fit time
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)):
-            raise TypeError(f"total_steps must be an integer or None, got {total_steps!r}")
-        if total_steps is not None and total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        self.length = TrainingLength("LayerwiseLR schedule", total_steps)
         self.group_options = dict(
             lr=lr, decay=decay, multipliers=multipliers, freeze=freeze, weight_decay=weight_decay, no_decay=no_decay
         )
@@ -88,12 +86,12 @@ class LayerwiseLR(L.Callback):
         self.total_steps = total_steps
         self._trainer: L.Trainer | None = None
         self._module: L.LightningModule | None = None
-        self._total: int | None = None
+        self._scheduler: LambdaLR | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer, self._module, self._total = trainer, pl_module, None
+        self._trainer, self._module, self._scheduler = trainer, pl_module, None
         # An instance attribute wins over the class's method when Lightning looks the hook up.
         pl_module.__dict__[_CONFIGURE] = self.configure_optimizers
 
@@ -109,27 +107,32 @@ class LayerwiseLR(L.Callback):
         optimizer = self.optimizer(layerwise_param_groups(self._module, **self.group_options), **self.optimizer_kwargs)
         if self.schedule is None:
             return optimizer
-        if self._total is None:
-            estimate = self.total_steps or self._trainer.estimated_stepping_batches
-            if not math.isfinite(estimate):
-                raise ValueError(
-                    "LayerwiseLR with a schedule needs the length of training: set max_steps or max_epochs on the "
-                    "Trainer, or total_steps= on the callback"
-                )
-            self._total = int(estimate)
-        schedule, total = self.schedule, self._total
+        self.length.start(self._trainer.estimated_stepping_batches, changes_over_training(self.schedule))
+        schedule, length = self.schedule, self.length
 
         def factor(step: int) -> float:
-            return float(schedule(min(step, total) / total))
+            return float(schedule(length.progress(step)))
 
         # A plain function: LambdaLR saves no state for it, so checkpoints hold no pickled schedule.
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": LambdaLR(optimizer, factor), "interval": "step"}}
+        self._scheduler = LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self._scheduler, "interval": "step"}}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After a resume (Lightning restores the optimizer after `on_fit_start`), set each group's rate
+        from the schedule at the restored step: the checkpoint holds the rates of its own length."""
+        scheduler = self._scheduler
+        if scheduler is None:
+            return
+        for group, base, factor in zip(
+            scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * factor(scheduler.last_epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"total_steps": self._total}
+        return self.length.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._total = state_dict["total_steps"]
+        self.length.load_state_dict(state_dict)
 
 
 class FreezeLayers(L.Callback):

@@ -27,7 +27,8 @@ import torch
 from attnreg import pruning
 from attnreg.hub import AttentionHub, AttentionRecord
 from attnreg.mixin import AttnRegMixin, require_mixin
-from attnreg.schedules import ScheduleLike, as_schedule, step_progress
+from attnreg.progress import TrainingLength, changes_over_training
+from attnreg.schedules import ScheduleLike, as_schedule
 
 GateKind = Literal["l1", "hard_concrete"]
 Milestones = Sequence[tuple[float, int]]
@@ -105,7 +106,7 @@ class HeadGating(L.Callback):
         stretch: tuple[float, float] = (-0.1, 1.1),
         initial_log_alpha: float = 2.0,
         lagrangian_lr: float = 0.1,
-        name: str = "head_gating",
+        name: str | None = None,
     ) -> None:
         if kind not in ("l1", "hard_concrete"):
             raise ValueError(f"HeadGating: kind must be 'l1' or 'hard_concrete', got {kind!r}")
@@ -120,6 +121,10 @@ class HeadGating(L.Callback):
         if not 0.0 <= target_warmup < 1.0:
             raise ValueError(f"HeadGating: target_warmup must be a fraction of training in [0, 1), got {target_warmup}")
         pruning.HardConcreteGate(0, temperature=temperature, stretch=stretch)  # validates both now
+        for argument, value in (("threshold", threshold), ("lagrangian_lr", lagrangian_lr)):
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and math.isfinite(value) and value > 0):
+                raise ValueError(f"HeadGating: {argument} must be a finite number > 0, got {value!r}")
         self.milestones = _check_milestones(milestones, keep, prune_after_steps, prune_after_epochs)
         self.kind = kind
         self.weight = weight
@@ -132,8 +137,11 @@ class HeadGating(L.Callback):
         self.target_warmup = target_warmup
         self.temperature, self.stretch, self.initial_log_alpha = temperature, tuple(stretch), initial_log_alpha
         self.lagrangian_lr = lagrangian_lr
-        self.name = name
+        self.name_argument = name
+        self.name = name or "head_gating"
         self.lambdas = torch.zeros(2)
+        self._gaps: list[torch.Tensor] = []  # constraint gaps of the micro-batches since the last optimizer step
+        self.length = TrainingLength("HeadGating")
         self.pruned = False
         self.milestones_done = 0
         self.removed: dict[int, list[int]] = {}
@@ -142,8 +150,12 @@ class HeadGating(L.Callback):
         self.pruned_at_step: int | None = None
         self.layers: tuple[int, ...] = ()
         self.gated_heads = 0
-        self.total_steps = 1
         self.module: AttnRegMixin | None = None
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's key for this callback's checkpoint state: distinct for differently set instances."""
+        return self._generate_state_key(name=self.name_argument, layers=self.layers_argument)
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -172,18 +184,13 @@ class HeadGating(L.Callback):
                 hub.gate(layer)
             else:
                 pruning.make_hard_concrete(hub, layer, self.initial_log_alpha, self.temperature, self.stretch)
-        module.remove_attnreg_term(self.name)
+        self.name = module.free_attnreg_term_name(self.name_argument, "head_gating", "HeadGating")
         module.add_attnreg_term(self.name, self._penalty, layers=())
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        estimate = trainer.estimated_stepping_batches
-        finite = math.isfinite(estimate) and estimate >= 1
-        if self.milestones and not finite:
-            raise ValueError(
-                "HeadGating: milestones are fractions of training, which needs a known number of steps "
-                "(set max_steps or max_epochs)"
-            )
-        self.total_steps = int(estimate) if finite else 1
+        needs_length = bool(self.milestones) or changes_over_training(self.schedule)
+        needs_length |= self.kind == "hard_concrete" and self.keep is not None and self.target_warmup > 0
+        self.length.start(trainer.estimated_stepping_batches, needs_length)
         hub = require_mixin(pl_module, self).attnreg_hub
         self.layers = tuple(layer for layer in self.layers if hub.layers[layer].num_heads > 0)  # after a resume
 
@@ -200,10 +207,10 @@ class HeadGating(L.Callback):
 
     # -- the penalty ------------------------------------------------------------------------------
     def progress(self) -> float:
-        """The fraction of training done: global step / the trainer's estimated steps (at most 1)."""
+        """The fraction of training done (`attnreg.progress`)."""
         module = self.module
         step = module.global_step if module is not None and module._trainer is not None else 0
-        return step_progress(min(step, self.total_steps), self.total_steps)
+        return self.length.progress(step)
 
     def current_weight(self) -> float:
         """The penalty's weight at the module's current global step."""
@@ -225,11 +232,18 @@ class HeadGating(L.Callback):
             return self.current_weight() * expected.sum() / (expected.numel() if self.normalize else 1)
         gap = (expected.sum() - self.target()) / self.gated_heads
         lambdas = self.lambdas.to(gap.device)
-        term = lambdas[0] * gap + lambdas[1] * gap**2
-        # dual ascent: the multipliers grow while the constraint is violated
-        self.lambdas = lambdas + self.lagrangian_lr * torch.stack([gap, gap**2]).detach()
+        self._gaps.append(gap.detach())
         self.module.log(f"attnreg/{self.name}/expected_heads", expected.sum().detach())
-        return term
+        return lambdas[0] * gap + lambdas[1] * gap**2
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        """Dual ascent, once per optimizer step (whatever the gradient accumulation): the multipliers
+        grow while the constraint is violated, by the mean gap of the step's micro-batches."""
+        if not self._gaps:
+            return
+        gap = torch.stack(self._gaps).mean()
+        self._gaps = []
+        self.lambdas = self.lambdas.to(gap.device) + self.lagrangian_lr * torch.stack([gap, gap**2])
 
     def _hard_concrete(self, hub: AttentionHub) -> list[pruning.HardConcreteGate]:
         return [self._gate(hub, layer) for layer in self.layers]
@@ -245,7 +259,7 @@ class HeadGating(L.Callback):
         if self.pruned:
             return
         if self.milestones:
-            progress = step_progress(min(trainer.global_step, self.total_steps), self.total_steps)
+            progress = self.length.progress(trainer.global_step)
             due = [i for i, (at, _) in enumerate(self.milestones) if i >= self.milestones_done and progress >= at]
             if due:
                 self.milestones_done = due[-1] + 1
@@ -286,11 +300,10 @@ class HeadGating(L.Callback):
         model = module.attnreg_model
         keep = self.keep if keep is None else keep
         scores = self.scores()
-        for layer, heads in self.removed.items():  # chosen before but kept by the grouped-query rule
+        for layer, heads in pruning.silenced_heads(model).items():  # chosen before, kept by the grouped-query rule
             if layer in scores:
                 numbers = pruning.head_numbers(model, layer)
-                silenced = [numbers.index(head) for head in heads if head in numbers]
-                scores[layer][silenced] = -math.inf
+                scores[layer][[numbers.index(head) for head in heads]] = -math.inf
         threshold = self.threshold if keep is None else None
         positions = pruning.select_heads(scores, threshold=threshold, keep=keep)
         positions = trainer.strategy.broadcast(positions, src=0)
@@ -298,8 +311,7 @@ class HeadGating(L.Callback):
         optimizers = list(trainer.optimizers)
         if final:
             pruning.fold_gates(model, optimizers)
-        pruning.silence_heads(model, chosen)  # also those the grouped-query rule keeps
-        self.report = pruning.prune_heads(model, chosen, optimizers)
+        self.report = pruning.prune_heads(model, chosen, optimizers)  # silences those the grouped-query rule keeps
         for layer, heads in chosen.items():
             self.removed[layer] = sorted({*self.removed.get(layer, ()), *heads})
         hub = module.attnreg_hub
@@ -319,6 +331,7 @@ class HeadGating(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         removed = {str(layer): heads for layer, heads in self.removed.items()}
         return {
+            **self.length.state_dict(),
             "pruned": self.pruned,
             "removed": removed,
             "lambdas": self.lambdas.tolist(),
@@ -330,6 +343,7 @@ class HeadGating(L.Callback):
         self.removed = {int(layer): list(heads) for layer, heads in state_dict["removed"].items()}
         self.lambdas = torch.tensor(state_dict["lambdas"])
         self.milestones_done = int(state_dict.get("milestones_done", 0))
+        self.length.load_state_dict(state_dict)
         if self.pruned and self.module is not None:
             self.module.remove_attnreg_term(self.name)
 
