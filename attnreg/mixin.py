@@ -87,27 +87,6 @@ class AttnRegMixin:
     def remove_attnreg_term(self, name: str) -> None:
         self.attnreg_terms.pop(name, None)
 
-    def free_attnreg_term_name(self, name: str | None, default: str, owner: str) -> str:
-        """`name` if no term holds it (an error if one does); for `name=None`, `default`, or `default_2`,
-        `default_3`, ... when taken, so that two callbacks of one class both act.
-
-        Example:
-            >>> module.free_attnreg_term_name(None, "entropy", "EntropyRegularizer")   # "entropy" taken
-            'entropy_2'
-        """
-        if name is not None:
-            if name in self.attnreg_terms:
-                raise ValueError(
-                    f"{owner}: an attnreg term named {name!r} is already registered (by another callback); "
-                    "give each callback its own name="
-                )
-            return name
-        candidate, number = default, 1
-        while candidate in self.attnreg_terms:
-            number += 1
-            candidate = f"{default}_{number}"
-        return candidate
-
     def attnreg_loss(self) -> torch.Tensor:
         """The sum of all registered terms for the current training step, each logged.
 

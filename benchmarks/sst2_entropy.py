@@ -24,8 +24,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import attnreg
 from attnreg.datasets import read_sst2
 from attnreg.losses import attention_entropy
+from attnreg.models import minilm_directory
 from attnreg.modules import SequenceClassifier
-from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -73,9 +73,9 @@ import attnreg
 from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating
 from attnreg.datasets import read_sst2
+from attnreg.models import minilm_directory
 from attnreg.modules import Distiller, SequenceClassifier
 from attnreg.schedules import Constant, Warmup
-from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 RESULTS = Path(__file__).resolve().parent / "results"

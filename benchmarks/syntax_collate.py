@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from attnreg.models import minilm_directory
 from attnreg.syntax import SyntaxCollator, SyntaxPrior, read_conllu
-from attnreg.train import minilm_directory
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt"
 RESULTS = Path(__file__).resolve().parent / "results"

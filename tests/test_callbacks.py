@@ -112,9 +112,9 @@ def test_prior_kl_with_one_head_per_layer_teaches_each_chosen_head():
 
 
 def test_weights_and_head_maps_are_validated():
-    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got -1"):
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0.*got -1"):
         attnreg.SyntaxPriorKL(weight=-1)
-    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got nan"):
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0.*got nan"):
         attnreg.EntropyRegularizer(weight=float("nan"))
     callback = attnreg.SyntaxPriorKL(layers=[0], heads={1: [0]})
     with pytest.raises(ValueError, match=r"heads is given for layers \[1\] but layers=\[0\]"):

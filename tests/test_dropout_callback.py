@@ -12,8 +12,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import attnreg
-from attnreg.callbacks.dropout import AttentionDropoutSchedule, hidden_dropout_modules
+from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
+from attnreg.methods.dropout import hidden_dropout_modules
 from attnreg.schedules import CurriculumDropout, EarlyDropout, Linear, Step, Warmup
 from attnreg.tiny import tiny_model
 

@@ -73,7 +73,9 @@ def test_two_regularizers_of_one_class_both_act():
 def test_two_callbacks_with_one_explicit_name_are_an_error():
     first = attnreg.EntropyRegularizer(name="ent", layers=[0])
     second = attnreg.SyntaxPriorKL(name="ent", layers=[1])
-    with pytest.raises(ValueError, match="term named 'ent' is already registered.*its own name="):
+    with pytest.raises(
+        ValueError, match="the name 'ent' is already held by another attnreg method or term; give each its own name="
+    ):
         fit(classifier(), batches(1), [first, second])
 
 

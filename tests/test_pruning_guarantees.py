@@ -12,7 +12,7 @@ from conftest import Classifier, fit, main_output, padded_batch
 import attnreg
 from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating
-from attnreg.pruning import load_pruned, prune_heads, pruned_heads, save_pruned, silenced_heads
+from attnreg.pruning import load_pruned, prune_heads, pruned_heads, save_pruned, silenced_heads, surgery
 from attnreg.tiny import tiny_model
 
 HEAD_DIM = 8  # tiny_model: hidden 32, 4 heads
@@ -196,7 +196,7 @@ def test_reapplying_a_pruning_hides_no_warnings(tmp_path, monkeypatch):
     save_pruned(model, tmp_path)
     checkpoint = {}
     pruning.add_pruning_to_checkpoint(model, checkpoint)
-    monkeypatch.setattr(pruning, "_prune_layer", warn_then(pruning._prune_layer))
+    monkeypatch.setattr(surgery, "_prune_layer", warn_then(surgery._prune_layer))
     for reapply in (lambda: load_pruned(tmp_path), lambda: pruning.restore_pruning(llama(), checkpoint)):
         with pytest.warns(UserWarning) as record:
             reapply()

@@ -16,15 +16,19 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, PreTrainedModel
 
+from attnreg.callbacks import AttentionMonitor, EntropyRegularizer, SyntaxPriorKL
 from attnreg.collect import collect, load_runs, markdown
 from attnreg.collect import main as collect_main
+from attnreg.configs import CONFIG_DIR, register_resolvers
 from attnreg.datamodules import ClassificationDataModule
+from attnreg.evaluation import accuracy
+from attnreg.models import load_tokenizer, package_path
 from attnreg.pruning import load_pruned, pruned_heads
 from attnreg.task import build_tokenizer, vocabulary
-from attnreg.train import CONFIG_DIR, accuracy, format_summary, load_tokenizer, metric, package_path, train
+from attnreg.train import format_summary, metric, needs_of, provide, supervised_heads, train
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -46,6 +50,7 @@ def run_app(*overrides: str, env: dict | None = None, timeout: int = 240) -> sub
 
 
 def composed(*overrides: str, hydra_config: bool = False):
+    register_resolvers()
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         return compose("train", list(overrides), return_hydra_config=hydra_config)
 
@@ -111,6 +116,84 @@ def test_monitor_gets_the_task_gold_trees_and_logs_parent_accuracy(tmp_path):
     train(cfg, tmp_path)
     metrics = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
     assert "attnreg/monitor/parent_accuracy/best" in metrics and "attnreg/monitor/entropy/layer1" in metrics
+
+
+class Probe(L.Callback):
+    """A callback of a user's own, no attnreg type: logs what the app gave it (gold trees, tokenizer)
+    and whether its batches carry the syntax prior."""
+
+    needs = frozenset({"gold_trees", "tokenizer"})
+
+    def __init__(self, name: str) -> None:
+        self.name, self.gold_sentences, self.tokenizer = name, None, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.log(f"{self.name}/gold", float(len(self.gold_sentences or ())))
+        pl_module.log(f"{self.name}/tokenizer", float(self.tokenizer is trainer.datamodule.tokenizer))
+        pl_module.log(f"{self.name}/prior", float("attnreg_prior" in batch))
+
+
+class PriorProbe(Probe):
+    needs = frozenset({"prior"})
+
+
+def probes(*names: str) -> DictConfig:
+    cfg = composed(*SMALL, *QUIET, "trainer.max_epochs=1", "~logger", "attnreg=none")
+    kinds = {"gold": Probe, "prior": PriorProbe}
+    cfg.attnreg = {name: {"_target_": f"{__name__}.{kinds[name].__name__}", "name": name} for name in names}
+    return cfg
+
+
+@pytest.mark.parametrize("names", [("gold",), ("gold", "prior")])
+def test_callbacks_get_what_they_declare_they_need_whatever_their_type(tmp_path, names):
+    summary = train(probes(*names), tmp_path)
+    got = {key: value for key, value in summary["metrics"].items() if key.split("/")[0] in names}
+    prior = float("prior" in names)  # the data builds the prior only when a callback needs it
+    assert got == {
+        "gold/gold": 64.0,
+        "gold/tokenizer": 1.0,
+        "gold/prior": prior,
+        **({"prior/gold": 0.0, "prior/tokenizer": 0.0, "prior/prior": 1.0} if prior else {}),
+    }
+    assert (summary["prior_arcs"] is not None) == bool(prior)
+    assert summary["parent_accuracy"]["supervised"] == {}  # a prior probe names no layers: no supervised head
+
+
+def test_needs_are_declared_by_the_attnreg_callbacks_and_checked():
+    assert needs_of(SyntaxPriorKL()) == {"prior"} and needs_of(AttentionMonitor()) == {"gold_trees", "tokenizer"}
+    assert needs_of(EntropyRegularizer()) == frozenset() and needs_of(L.Callback()) == frozenset()
+    kl = SyntaxPriorKL(layers=[0, 1], heads={0: [2], 1: [0, 3]})
+    assert supervised_heads([kl, EntropyRegularizer(layers=[1]), Probe("gold")]) == {0: [2], 1: [0, 3]}
+
+    class Wanting(L.Callback):
+        needs = frozenset({"gold_trees", "parse_cache"})
+
+    with pytest.raises(ValueError, match=r"Wanting needs \['parse_cache'\], which attnreg-train cannot provide"):
+        needs_of(Wanting())
+    data = instantiate(composed().data, tokenizer=None, with_prior=False)
+    own = build_tokenizer(vocabulary())
+    given = AttentionMonitor(gold_sentences=[], tokenizer=own)  # given its own: the app leaves them
+    provide([given], data)
+    assert given.gold_sentences == [] and given.tokenizer is own
+
+
+IMPORT_ONLY = """
+import attnreg.configs, attnreg.evaluation, attnreg.models, attnreg.train
+from omegaconf import OmegaConf
+print(OmegaConf.has_resolver("attnreg.package_path"))
+"""
+
+
+def test_the_configs_resolver_is_registered_by_the_app_not_by_importing():
+    imported = subprocess.run(
+        [sys.executable, "-c", IMPORT_ONLY], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert imported.stdout.strip() == "False", imported.stderr[-3000:]
+    result = run_app(
+        "model=hub", "model.name_or_path=${attnreg.package_path:attnreg,configs}", "--cfg", "job", "--resolve"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"name_or_path: {CONFIG_DIR}" in result.stdout
 
 
 def test_pruning_run_saves_the_pruned_model_it_evaluated(tmp_path):

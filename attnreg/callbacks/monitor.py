@@ -60,6 +60,8 @@ class AttentionMonitor(L.Callback):
     lists every `(step, layer, entropy)` flagged so far.
     """
 
+    needs = frozenset({"gold_trees", "tokenizer"})  # what the app gives it when it has them
+
     def __init__(
         self,
         every_n_steps: int = 100,

@@ -1,13 +1,9 @@
 """Per-layer learning rates and temporary freezing as Lightning callbacks, for modules you do not want to edit.
 
-`LayerwiseLR` builds the optimizer and its learning-rate schedule with `attnreg.optim.layerwise_param_groups`.
-It has to exist before any scheduler does (adding groups to a live optimizer breaks every torch 2.13
-scheduler step), so the callback does not touch a built optimizer: in `setup` (which Lightning runs after
-its configuration checks and before it calls `configure_optimizers`) it puts its own `configure_optimizers`
-on the module instance, which Lightning then calls instead of the class's; `teardown` removes it. Lightning
-checks that the module defines `configure_optimizers` before any callback runs, so the module still needs
-one (any; it is not called while the callback is there). On resume Lightning builds the optimizer through
-the same method, with the same groups in the same order, and then loads its state and the scheduler's.
+`LayerwiseLR` trains with the optimizer and learning-rate schedule of `attnreg.methods.LayerwiseLR`
+(`attnreg.optim.layerwise_param_groups`). The optimizer is built whole before its scheduler (adding groups
+to a live optimizer breaks every torch 2.13 scheduler step) and replaces the module's at fit start; on
+resume Lightning loads the checkpoint's optimizer and scheduler state into it.
 
 `FreezeLayers` freezes layer groups for the first epochs without changing the optimizer's groups: it
 only toggles `requires_grad` (a parameter without a gradient is skipped by torch's optimizers, weight
@@ -21,118 +17,52 @@ Example:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable
 
 import lightning as L
 import torch
-from torch.optim import Optimizer
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim.lr_scheduler import LambdaLR
 
-from attnreg.optim import (
-    LayerKey,
-    electra_layer_factors,
-    layerwise_param_groups,
-    parameters_by_layer,
-    resolve_layer_groups,
-)
-from attnreg.progress import TrainingLength, changes_over_training
-from attnreg.schedules import ScheduleLike, as_schedule
-
-_CONFIGURE = "configure_optimizers"
+from attnreg import methods
+from attnreg.callbacks.base import MethodCallback
+from attnreg.optim import LayerKey, parameters_by_layer, resolve_layer_groups
 
 
-class LayerwiseLR(L.Callback):
-    """Trains with `layerwise_param_groups(module, lr, decay, multipliers, freeze, weight_decay, no_decay)`.
+class LayerwiseLR(MethodCallback):
+    """Trains with `layerwise_param_groups(module, lr, decay, multipliers, freeze, weight_decay, no_decay)`
+    (a thin adapter of `attnreg.methods.LayerwiseLR`, whose docstring lists the arguments).
 
-    - `optimizer`: a `torch.optim` class name or any callable `(param_groups, **optimizer_kwargs)` returning
-      an optimizer (a Hydra `_partial_`, say); AdamW by default.
-    - `schedule`: optional learning-rate factor as a function of progress (an `attnreg.schedules` schedule),
-      stepped every optimizer step; `Warmup(0.06, Linear(1.0, 0.0))` is linear warmup and decay.
-    - `total_steps`: the steps the schedule spans; by default the trainer's `estimated_stepping_batches`
-      (`attnreg.progress`: a run resumed with more steps re-stretches the schedule over them, with a warning).
-
-    The module's own `configure_optimizers` is ignored while the callback is attached.
+    At fit start it replaces the optimizer (and the LR scheduler) that the module's `configure_optimizers`
+    returned, as Lightning's `StochasticWeightAveraging` replaces scheduler configs: Lightning then
+    restores a resumed run's optimizer and scheduler state into these. The module still needs a
+    `configure_optimizers` (Lightning checks for one before callbacks run); its optimizer is not used.
 
     Example:
-        >>> LayerwiseLR(lr=1e-4, decay=0.8, multipliers={"head": 10.0}, freeze=["embeddings"])
+        >>> LayerwiseLR(lr=1e-4, decay=0.8, multipliers={"head": 10.0, "gates": 100.0}, freeze=["embeddings"])
     """
 
-    def __init__(
-        self,
-        lr: float,
-        decay: float | None = None,
-        multipliers: Mapping[LayerKey, float] | Sequence[float] | None = None,
-        freeze: Iterable[LayerKey] | LayerKey | None = None,
-        weight_decay: float = 0.0,
-        no_decay: Iterable[str] | None = None,
-        optimizer: str | Callable[..., Optimizer] = "AdamW",
-        optimizer_kwargs: Mapping[str, Any] | None = None,
-        schedule: ScheduleLike | None = None,
-        total_steps: int | None = None,
-    ) -> None:
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-        if decay is not None:
-            electra_layer_factors(0, decay)  # checks decay now rather than at fit time
-        self.length = TrainingLength("LayerwiseLR schedule", total_steps)
-        self.group_options = dict(
-            lr=lr, decay=decay, multipliers=multipliers, freeze=freeze, weight_decay=weight_decay, no_decay=no_decay
-        )
-        self.optimizer = _optimizer_factory(optimizer)
-        self.optimizer_kwargs = dict(optimizer_kwargs or {})
-        self.schedule = None if schedule is None else as_schedule(schedule, "schedule")
-        self.total_steps = total_steps
-        self._trainer: L.Trainer | None = None
-        self._module: L.LightningModule | None = None
-        self._scheduler: LambdaLR | None = None
+    method_class = methods.LayerwiseLR
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        self._trainer, self._module, self._scheduler = trainer, pl_module, None
-        # An instance attribute wins over the class's method when Lightning looks the hook up.
-        pl_module.__dict__[_CONFIGURE] = self.configure_optimizers
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if pl_module.__dict__.get(_CONFIGURE) == self.configure_optimizers:
-            del pl_module.__dict__[_CONFIGURE]
-        self._trainer = self._module = None
-
-    def configure_optimizers(self) -> Optimizer | dict[str, Any]:
-        """What the module's `configure_optimizers` returns while the callback is attached."""
-        if self._module is None:
-            raise RuntimeError("LayerwiseLR.configure_optimizers is called by Lightning during fit")
-        optimizer = self.optimizer(layerwise_param_groups(self._module, **self.group_options), **self.optimizer_kwargs)
-        if self.schedule is None:
-            return optimizer
-        self.length.start(self._trainer.estimated_stepping_batches, changes_over_training(self.schedule))
-        schedule, length = self.schedule, self.length
-
-        def factor(step: int) -> float:
-            return float(schedule(length.progress(step)))
-
-        # A plain function: LambdaLR saves no state for it, so checkpoints hold no pickled schedule.
-        self._scheduler = LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self._scheduler, "interval": "step"}}
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if len(trainer.optimizers) != 1:
+            count = len(trainer.optimizers)
+            raise ValueError(f"LayerwiseLR replaces the module's one optimizer; configure_optimizers returned {count}")
+        optimizer = self.method.build_optimizer(pl_module)
+        trainer.strategy.optimizers = [optimizer]
+        schedulers = []
+        if self.method.schedule is not None:
+            schedulers = [LRSchedulerConfig(LambdaLR(optimizer, self.method.factor), interval="step")]
+        trainer.strategy.lr_scheduler_configs = schedulers
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After a resume (Lightning restores the optimizer after `on_fit_start`), set each group's rate
         from the schedule at the restored step: the checkpoint holds the rates of its own length."""
-        scheduler = self._scheduler
-        if scheduler is None:
-            return
-        for group, base, factor in zip(
-            scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
-        ):
-            group["lr"] = base * factor(scheduler.last_epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.length.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.length.load_state_dict(state_dict)
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+                group["lr"] = base * self.method.factor(scheduler.last_epoch)
 
 
 class FreezeLayers(L.Callback):
@@ -182,14 +112,3 @@ class FreezeLayers(L.Callback):
         for param, original in zip(self._params, self._original, strict=True):
             param.requires_grad_(original)
         self._params, self._original = [], []
-
-
-def _optimizer_factory(optimizer: str | Callable[..., Optimizer]) -> Callable[..., Optimizer]:
-    if isinstance(optimizer, str):
-        found = getattr(torch.optim, optimizer, None)
-        if not (isinstance(found, type) and issubclass(found, Optimizer)):
-            raise ValueError(f"optimizer={optimizer!r} is not a torch.optim optimizer (AdamW, Adam, SGD, ...)")
-        return found
-    if not callable(optimizer):
-        raise TypeError(f"optimizer must be a torch.optim class name or a callable, got {optimizer!r}")
-    return optimizer

@@ -26,6 +26,8 @@ import torch
 
 from attnreg import pruning
 from attnreg.hub import AttentionHub, AttentionRecord
+from attnreg.methods.base import free_name
+from attnreg.methods.regularizers import check_weight
 from attnreg.mixin import AttnRegMixin, require_mixin
 from attnreg.progress import TrainingLength, changes_over_training
 from attnreg.schedules import ScheduleLike, as_schedule
@@ -110,7 +112,7 @@ class HeadGating(L.Callback):
     ) -> None:
         if kind not in ("l1", "hard_concrete"):
             raise ValueError(f"HeadGating: kind must be 'l1' or 'hard_concrete', got {kind!r}")
-        self.schedule = as_schedule(_check_weight(weight, "HeadGating") if not callable(weight) else weight, "weight")
+        self.schedule = as_schedule(check_weight(weight, "HeadGating") if not callable(weight) else weight, "weight")
         for argument, value in (
             ("prune_after_steps", prune_after_steps),
             ("prune_after_epochs", prune_after_epochs),
@@ -184,7 +186,7 @@ class HeadGating(L.Callback):
                 hub.gate(layer)
             else:
                 pruning.make_hard_concrete(hub, layer, self.initial_log_alpha, self.temperature, self.stretch)
-        self.name = module.free_attnreg_term_name(self.name_argument, "head_gating", "HeadGating")
+        self.name = free_name(self.name_argument, "head_gating", module.attnreg_terms, "HeadGating")
         module.add_attnreg_term(self.name, self._penalty, layers=())
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -214,7 +216,7 @@ class HeadGating(L.Callback):
 
     def current_weight(self) -> float:
         """The penalty's weight at the module's current global step."""
-        return _check_weight(self.schedule(self.progress()), f"HeadGating weight at progress {self.progress():.4g}")
+        return check_weight(self.schedule(self.progress()), f"HeadGating weight at progress {self.progress():.4g}")
 
     def target(self) -> float:
         """The Lagrangian's target number of heads now (hard-concrete gates with `keep`)."""
@@ -346,12 +348,6 @@ class HeadGating(L.Callback):
         self.length.load_state_dict(state_dict)
         if self.pruned and self.module is not None:
             self.module.remove_attnreg_term(self.name)
-
-
-def _check_weight(weight: Any, what: str) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
-        raise ValueError(f"{what}: weight must be a finite number >= 0 or a schedule of progress, got {weight!r}")
-    return float(weight)
 
 
 def _check_milestones(

@@ -1,0 +1,143 @@
+"""What the training app measures on a fitted model: accuracy, attention entropy per layer, parent
+accuracy of chosen heads against gold trees, and the heads pruning removed.
+
+Each helper takes a transformers model and held-out data, leaves the model's train/eval mode as it
+found it, and returns plain numbers (JSON-ready: a removed head reads None).
+
+Example:
+    >>> accuracy(model, data.loader("val"))
+    0.875
+    >>> layer_entropy(model, data.loader("val"))
+    [0.91, 0.64]
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from attnreg.analysis import parent_accuracy
+from attnreg.hub import attach
+from attnreg.losses import attention_entropy
+from attnreg.pruning import count_parameters, head_numbers, pruned_heads
+
+
+@torch.no_grad()
+def accuracy(model: PreTrainedModel, loader: DataLoader) -> float:
+    """Share of examples whose argmax logit is the label (model in eval mode meanwhile).
+
+    Example:
+        >>> accuracy(model, data.loader("hard"))
+        0.75
+    """
+    inputs = _input_names(model)
+    correct = total = 0
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in loader:
+            logits = model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"}).logits
+            correct += int((logits.argmax(-1).cpu() == batch["labels"]).sum())
+            total += len(batch["labels"])
+    finally:
+        model.train(was_training)
+    return correct / max(total, 1)
+
+
+@torch.no_grad()
+def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int = 4) -> list[float]:
+    """Normalized attention entropy per layer (mean over heads and rows; 1 = uniform) on `loader`.
+
+    Example:
+        >>> layer_entropy(model, data.loader("val"), max_batches=1)
+        [0.91, 0.64]
+    """
+    hub = attach(model)
+    inputs = _input_names(model)
+    totals = torch.zeros(hub.num_layers)
+    batches = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with hub.capture() as probs:
+            for batch in loader:
+                model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"})
+                mask = batch["attention_mask"].to(model.device)
+                for layer in range(hub.num_layers):
+                    entropy = attention_entropy(probs[layer], mask, causal=hub.family.causal, normalize=True)
+                    totals[layer] += float(entropy.mean())
+                batches += 1
+                if batches == max_batches:
+                    break
+    finally:
+        model.train(was_training)
+    return (totals / max(batches, 1)).tolist()
+
+
+def pruning_report(model: PreTrainedModel) -> dict[str, Any] | None:
+    """The heads removed (original numbers per layer), the heads left and the parameter count; None when
+    no head was removed.
+
+    Example:
+        >>> pruning_report(model)
+        {'removed': {'0': [1, 3]}, 'heads_left': [2, 4], 'parameters': 123456}
+    """
+    removed = pruned_heads(model)
+    if not removed:
+        return None
+    layers = attach(model).num_layers
+    return {
+        "removed": {str(layer): list(heads) for layer, heads in removed.items()},
+        "heads_left": [len(head_numbers(model, layer)) for layer in range(layers)],
+        "parameters": count_parameters(model),
+    }
+
+
+def head_report(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sentences: list[Any],
+    supervised: Mapping[int, list[int] | None],
+    max_length: int | None,
+) -> dict[str, Any]:
+    """Word-level parent accuracy of the `supervised` heads ({layer: heads}, None = all) and of the best
+    head, with the right-branching baseline, on `sentences` (gold trees).
+
+    Example:
+        >>> head_report(model, tokenizer, data.tree_sentences(), {0: [0], 1: [0]}, max_length=64)["supervised"]
+        {'L0H0': 0.81, 'L1H0': 0.77}
+    """
+    result = parent_accuracy(model, tokenizer, sentences, max_length=max_length)
+    table = result.accuracy
+    chosen = {
+        f"L{layer}H{head}": _number(table[layer, head])
+        for layer, heads in sorted(supervised.items())
+        for head in (range(table.shape[1]) if heads is None else heads)
+    }
+    present = [value for value in chosen.values() if value is not None]  # removed heads read None
+    layer, head, best = result.best_head()
+    return {
+        "sentences": len(sentences),
+        "supervised": chosen,
+        "supervised_mean": round(sum(present) / len(present), 4) if present else None,
+        "best_head": f"L{layer}H{head}",
+        "best": _number(best),
+        "right_branching": round(result.baseline(1), 4),
+        "per_head": [[_number(value) for value in row] for row in table],
+    }
+
+
+def _number(value: Any) -> float | None:
+    """A rounded float, or None for NaN (a removed head), so that summary.json stays valid JSON."""
+    value = float(value)
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _input_names(model: PreTrainedModel) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)

@@ -1,0 +1,186 @@
+"""The Hugging Face `Trainer` adapter: `AttnRegTrainer` runs attnreg's method objects.
+
+It takes the same method objects as the Lightning callbacks (`attnreg.methods`):
+
+- loss terms (`Entropy`, `PriorKL`, `AttentionPenalty`): the attention of the layers they name is captured
+  in `compute_loss` and their weighted terms are added to the loss, logged (as `attnreg/<name>`, averaged
+  over the steps between two logs) through the Trainer's own logging;
+- `DropoutSchedule`: the rates are set at every optimizer step (`on_step_begin`) and logged;
+- `LayerwiseLR`: its named parameter groups make the Trainer's optimizer (its `lr` replaces
+  `args.learning_rate`), and its schedule, when it has one, the LR scheduler; without one the
+  Trainer's own scheduler (`args.lr_scheduler_type`, warmup) runs over the groups.
+
+Progress is `state.global_step / state.max_steps` (`attnreg.progress`). Checkpoints carry the methods'
+state in `attnreg_state.json`, read back by `train(resume_from_checkpoint=...)`. Batch keys the methods
+read (a syntax prior) are kept from the model, and kept through `remove_unused_columns=True`, as are the
+`sentence` and `label` fields a `SyntaxCollator` needs. Needs the `hf` extra (`accelerate`).
+
+Example:
+    >>> from attnreg import methods
+    >>> trainer = AttnRegTrainer(
+    ...     model=model, args=TrainingArguments("out", max_steps=1000), train_dataset=dataset,
+    ...     data_collator=SyntaxCollator(tokenizer),
+    ...     methods=[methods.PriorKL(heads={4: [9]}, weight=0.04), methods.Entropy(mode="max", weight=0.01)],
+    ... )
+    >>> trainer.train()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from attnreg.hub import attach
+from attnreg.methods import DropoutSchedule, LayerwiseLR, LossTerm, Method, PriorKL
+
+STATE_FILE = "attnreg_state.json"
+_KEPT_COLUMNS = ("sentence", "label", "labels")  # what SyntaxCollator reads from dataset items
+
+
+class AttnRegTrainer(Trainer):
+    """A `transformers.Trainer` that runs attnreg `methods` (see the module docstring).
+
+    Example:
+        >>> AttnRegTrainer(model=model, args=args, train_dataset=data, methods=[attnreg.methods.Entropy()])
+    """
+
+    def __init__(self, *args: Any, methods: Sequence[Method] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        model = self.model
+        attach(model)
+        taken: set[str] = set()
+        for method in methods:
+            if not isinstance(method, Method):
+                raise TypeError(f"methods must be attnreg.methods objects, got {type(method).__name__}")
+            method.bind(model, taken)
+            taken.add(method.name)
+        learning_rates = [method for method in methods if isinstance(method, LayerwiseLR)]
+        if len(learning_rates) > 1:
+            raise ValueError("AttnRegTrainer: give at most one LayerwiseLR (it builds the optimizer)")
+        self.attnreg_methods = list(methods)
+        self._terms = [method for method in methods if isinstance(method, LossTerm)]
+        self._learning_rate = learning_rates[0] if learning_rates else None
+        self._batch_keys = {method.prior_key for method in methods if isinstance(method, PriorKL)}
+        self._figures: dict[str, list[float]] = {}
+        self.add_callback(_MethodSteps(self))
+
+    # -- the loss ------------------------------------------------------------------------------------------
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        model_inputs = {key: value for key, value in inputs.items() if key not in self._batch_keys}
+        if not self._terms or not model.training:
+            return super().compute_loss(model, model_inputs, return_outputs, num_items_in_batch)
+        hub = attach(self.accelerator.unwrap_model(model))
+        layers = _capture_layers(self._terms)
+        with hub.capture(layers, require_grad=torch.is_grad_enabled()) as probs:
+            loss, outputs = super().compute_loss(model, model_inputs, True, num_items_in_batch)
+        for method in self._terms:
+            value, figures = method.term(probs, inputs, self.state.global_step)
+            loss = loss + value
+            self._record({method.name: value.detach(), **figures})
+        return (loss, outputs) if return_outputs else loss
+
+    def _record(self, figures: dict[str, torch.Tensor | float]) -> None:
+        for name, value in figures.items():
+            self._figures.setdefault(f"attnreg/{name}", []).append(float(value))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log, with the attnreg figures (their mean since the last log) added to training logs."""
+        if "loss" in logs and self._figures:
+            logs = {**logs, **{name: sum(values) / len(values) for name, values in self._figures.items()}}
+            self._figures = {}
+        super().log(logs, start_time)
+
+    # -- optimizer and schedule ---------------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self._learning_rate is None:
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            self.optimizer = self._learning_rate.build_optimizer(self.model)
+        return self.optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        for method in self.attnreg_methods:
+            method.start(float(num_training_steps))
+        if self._learning_rate is None or self._learning_rate.schedule is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = LambdaLR(optimizer or self.optimizer, self._learning_rate.factor)
+        return self.lr_scheduler
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        if resume_from_checkpoint:
+            folder = resume_from_checkpoint
+            if folder is True:
+                folder = get_last_checkpoint(self.args.output_dir)
+            if folder is not None:
+                self._load_method_state(folder)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            for method in self.attnreg_methods:
+                if isinstance(method, DropoutSchedule) and method.hub is not None:
+                    method.hub.set_attention_dropout(None, method.layers)
+
+    def _load_method_state(self, folder: str | os.PathLike) -> None:
+        path = Path(folder, STATE_FILE)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: the checkpoint was not written by AttnRegTrainer, so the attnreg methods' "
+                "state (training length, and with it every schedule) cannot be restored"
+            )
+        saved = json.loads(path.read_text())
+        for method in self.attnreg_methods:
+            if method.name not in saved:
+                raise KeyError(f"{path} has no state for the method {method.name!r} (it has {sorted(saved)})")
+            method.load_state_dict(saved[method.name])
+
+    def save_method_state(self, folder: str | os.PathLike) -> None:
+        """Write every method's state to `folder/attnreg_state.json` (done with every checkpoint)."""
+        state = {method.name: method.state_dict() for method in self.attnreg_methods}
+        Path(folder, STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Keep the columns the methods and a `SyntaxCollator` need through `remove_unused_columns=True`."""
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *_KEPT_COLUMNS, *self._batch_keys]))
+
+
+class _MethodSteps(TrainerCallback):
+    """Drives the methods that act at optimizer steps, and saves their state with each checkpoint."""
+
+    def __init__(self, trainer: AttnRegTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for method in self.trainer.attnreg_methods:
+            if isinstance(method, DropoutSchedule):
+                self.trainer._record(method.before_step(state.global_step))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.trainer.save_method_state(Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+
+
+def _capture_layers(terms: Sequence[LossTerm]) -> tuple[int, ...] | None:
+    layers: set[int] = set()
+    for term in terms:
+        layers.update(term.layers)
+    return tuple(sorted(layers))

@@ -1,0 +1,26 @@
+"""Method objects: each attnreg method's settings, state and per-step decisions, with no training
+framework inside. `attnreg.callbacks` (Lightning) and `attnreg.integrations.hf` (the Hugging Face
+`Trainer`) are thin adapters over them.
+
+Example:
+    >>> from attnreg import methods
+    >>> entropy = methods.Entropy(mode="max", weight=0.01)
+    >>> kl = methods.PriorKL(heads={0: [3], 1: [4]})
+"""
+
+from attnreg.methods.base import Method, free_name
+from attnreg.methods.dropout import DropoutSchedule, hidden_dropout_modules
+from attnreg.methods.optim import LayerwiseLR
+from attnreg.methods.regularizers import AttentionPenalty, Entropy, LossTerm, PriorKL
+
+__all__ = [
+    "AttentionPenalty",
+    "DropoutSchedule",
+    "Entropy",
+    "LayerwiseLR",
+    "LossTerm",
+    "Method",
+    "PriorKL",
+    "free_name",
+    "hidden_dropout_modules",
+]

@@ -1,0 +1,90 @@
+"""Per-layer learning rates as a method object: the optimizer's groups and the rate factor per step.
+
+The groups come from `attnreg.optim.layerwise_param_groups` (ELECTRA's layer-wise decay, multipliers,
+freezing, a `gates` group); the factor from an optional schedule of training progress. Adapters build
+the optimizer before any LR scheduler exists (adding groups to a live optimizer breaks every torch
+scheduler step) and step the factor every optimizer step.
+
+Example:
+    >>> from attnreg.schedules import Linear, Warmup
+    >>> llrd = LayerwiseLR(lr=2e-5, decay=0.95, weight_decay=0.01, schedule=Warmup(0.06, Linear(1.0, 0.0)))
+    >>> llrd.bind(model, taken=set()); llrd.start(estimated_steps=1000)
+    >>> optimizer = llrd.build_optimizer(model)          # AdamW over the named layer groups
+    >>> scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, llrd.factor)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from attnreg.methods.base import Method
+from attnreg.optim import LayerKey, electra_layer_factors, layerwise_param_groups
+from attnreg.schedules import ScheduleLike, as_schedule
+
+
+class LayerwiseLR(Method):
+    """Trains with `layerwise_param_groups(model, lr, decay, multipliers, freeze, weight_decay, no_decay)`.
+
+    - `optimizer`: a `torch.optim` class name or any callable `(param_groups, **optimizer_kwargs)` returning
+      an optimizer (a Hydra `_partial_`, say); AdamW by default.
+    - `schedule`: optional learning-rate factor as a function of progress (an `attnreg.schedules` schedule),
+      stepped every optimizer step; `Warmup(0.06, Linear(1.0, 0.0))` is linear warmup and decay.
+    - `total_steps`: the steps the schedule spans; by default the trainer's estimate (`attnreg.progress`:
+      a run resumed with more steps re-stretches the schedule over them, with a warning).
+    """
+
+    default_name = "layerwise_lr"
+
+    def __init__(
+        self,
+        lr: float,
+        decay: float | None = None,
+        multipliers: Mapping[LayerKey, float] | Sequence[float] | None = None,
+        freeze: Iterable[LayerKey] | LayerKey | None = None,
+        weight_decay: float = 0.0,
+        no_decay: Iterable[str] | None = None,
+        optimizer: str | Callable[..., Optimizer] = "AdamW",
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        schedule: ScheduleLike | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        if decay is not None:
+            electra_layer_factors(0, decay)  # checks decay now rather than at fit time
+        super().__init__(None, total_steps)
+        self.group_options = dict(
+            lr=lr, decay=decay, multipliers=multipliers, freeze=freeze, weight_decay=weight_decay, no_decay=no_decay
+        )
+        self.optimizer = optimizer_factory(optimizer)
+        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self.schedule = None if schedule is None else as_schedule(schedule, "schedule")
+
+    def schedules(self) -> list[Callable[[float], float] | None]:
+        return [self.schedule]
+
+    def build_optimizer(self, model: nn.Module) -> Optimizer:
+        """The optimizer over `model`'s layer groups (`model`: the transformers model or a module holding it)."""
+        return self.optimizer(layerwise_param_groups(model, **self.group_options), **self.optimizer_kwargs)
+
+    def factor(self, step: int) -> float:
+        """The learning-rate factor at optimizer step `step` (1 without a schedule)."""
+        return 1.0 if self.schedule is None else float(self.schedule(self.progress(step)))
+
+
+def optimizer_factory(optimizer: str | Callable[..., Optimizer]) -> Callable[..., Optimizer]:
+    """A `torch.optim` class by name, or the callable given."""
+    if isinstance(optimizer, str):
+        found = getattr(torch.optim, optimizer, None)
+        if not (isinstance(found, type) and issubclass(found, Optimizer)):
+            raise ValueError(f"optimizer={optimizer!r} is not a torch.optim optimizer (AdamW, Adam, SGD, ...)")
+        return found
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a torch.optim class name or a callable, got {optimizer!r}")
+    return optimizer

