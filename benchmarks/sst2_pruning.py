@@ -23,15 +23,16 @@ tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every f
 - (a) `importance`: Michel et al. 2019 on the baseline, no retraining: `attnreg.pruning.iterative_pruning`
   (importance on `--importance` held-out training sentences, recomputed every round with the earlier
   heads masked; rounds of 10% of the heads), dev accuracy after each round.
-- (b) `l1`: fine-tuning with `HeadGating(kind="l1")` (penalty `--l1-weight` x mean |g|, warmed up over
-  the first 10%), then removal of the heads with the smallest |g| at each sparsity, no retraining
+- (b) `l1`: fine-tuning with `HeadGating(gates=L1Gates(...))` (penalty `--l1-weight` x mean |g|, warmed
+  up over the first 10%), then removal of the heads with the smallest |g| at each sparsity, no retraining
   (the callback's own removal at the end of fit is the 50% point; the threshold |g| < 0.1 is reported too).
-- (c) `hard_concrete`: fine-tuning with `HeadGating(kind="hard_concrete", keep=k)`, CoFi's Lagrangian
-  pulling the expected number of open heads to `k` (target moving from 72 over the first half), then
-  removal of all but the `k` largest gates at the end of fit (or at `--hc-prune-at` of training, the
-  rest of it fine-tuning the pruned model); one fine-tune per `k` in `--keeps`.
-- (d) `progressive`: fine-tuning with `HeadGating(kind="l1", milestones=...)`: heads removed at 40%, 55%
-  and 70% of training down to 58, 47 and 36, and 30% of training left to recover at the final size.
+- (c) `hard_concrete`: fine-tuning with `HeadGating(gates=HardConcreteGates(...), removal=Removal(keep=k))`,
+  CoFi's Lagrangian pulling the expected number of open heads to `k` (target moving from 72 over the
+  first half), then removal of all but the `k` largest gates at the end of fit (or at `--hc-prune-at` of
+  training, the rest of it fine-tuning the pruned model); one fine-tune per `k` in `--keeps`.
+- (d) `progressive`: fine-tuning with `HeadGating(gates=L1Gates(...), removal=Removal(milestones=...))`:
+  heads removed at 40%, 55% and 70% of training down to 58, 47 and 36, and 30% of training left to
+  recover at the final size.
 - (e) `retrain`: (a)'s heads removed physically from the baseline at each of `--retrain-removed`, then a
   recovery fine-tune of `--retrain-epochs` at `--retrain-lr` (warmup then decay); the unpruned baseline
   gets the same extra fine-tune as a control (its `heads_removed` 0 point), so the gap is paired.
@@ -73,6 +74,7 @@ import attnreg
 from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating
 from attnreg.datasets import read_sst2
+from attnreg.methods import HardConcreteGates, L1Gates, Removal
 from attnreg.models import minilm_directory
 from attnreg.modules import Distiller, SequenceClassifier
 from attnreg.schedules import Constant, Warmup
@@ -297,7 +299,7 @@ def l1_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, p
     """(b) L1 gates during fine-tuning, then removal at every sparsity."""
     snapshot = GatedSnapshot()
     half = total - round(0.5 * total)
-    gating = HeadGating(kind="l1", weight=Warmup(0.1, Constant(args.l1_weight)), keep=half)
+    gating = HeadGating(gates=L1Gates(weight=Warmup(0.1, Constant(args.l1_weight))), removal=Removal(keep=half))
     pruned, seconds = fine_tune(directory, train, args, [snapshot, gating], gate_lr=args.l1_gate_lr)
     callback_accuracy = dev_accuracy(pruned)
     hub = attnreg.hub_of(snapshot.model)
@@ -343,7 +345,7 @@ class GateTrace(L.Callback):
             expected = float(torch.cat([gate.expected_l0() for gate in gates]).sum())
         self.last = {
             "step": trainer.global_step,
-            "target": round(self.gating.target(), 2),
+            "target": round(self.gating.target(trainer.global_step), 2),
             "expected": round(expected, 2),
             "open": int((deterministic > 0).sum()),
             "above_half": int((deterministic > 0.5).sum()),
@@ -357,9 +359,10 @@ def hard_concrete_runs(directory: Path, train: list[dict], args, total: int, dev
     """(c) hard-concrete gates with a target number of heads, one fine-tune per target."""
     for keep in args.keeps:
         if args.hc_prune_at < 1.0:  # remove the heads there and fine-tune the rest at their final size
-            gating = HeadGating(kind="hard_concrete", milestones=[(args.hc_prune_at, keep)], target_warmup=0.5)
+            removal = Removal(milestones=[(args.hc_prune_at, keep)])
         else:
-            gating = HeadGating(kind="hard_concrete", keep=keep, target_warmup=0.5)
+            removal = Removal(keep=keep)
+        gating = HeadGating(gates=HardConcreteGates(target_warmup=0.5), removal=removal)
         trace = GateTrace(gating)
         pruned, seconds = fine_tune(directory, train, args, [trace, gating], gate_lr=args.hc_gate_lr)
         acc = dev_accuracy(pruned)
@@ -375,7 +378,9 @@ def hard_concrete_runs(directory: Path, train: list[dict], args, total: int, dev
 
 def progressive_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, points, runs) -> None:
     """(d) progressive L1 removal at milestones, with recovery at the final size."""
-    gating = HeadGating(kind="l1", weight=Warmup(0.1, Constant(args.l1_weight)), milestones=PROGRESSIVE)
+    gating = HeadGating(
+        gates=L1Gates(weight=Warmup(0.1, Constant(args.l1_weight))), removal=Removal(milestones=PROGRESSIVE)
+    )
     pruned, seconds = fine_tune(directory, train, args, [gating], gate_lr=args.l1_gate_lr)
     acc = dev_accuracy(pruned)
     runs["progressive"] = {

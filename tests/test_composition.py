@@ -12,6 +12,7 @@ from conftest import padded_batch
 from torch.utils.data import DataLoader
 
 import attnreg
+from attnreg.methods import L1Gates, Removal
 from attnreg.modules import SequenceClassifier
 from attnreg.progress import TrainingLengthWarning
 from attnreg.schedules import Constant, Linear, Warmup
@@ -55,7 +56,7 @@ def callbacks() -> dict[str, L.Callback]:
         "dropout": attnreg.AttentionDropoutSchedule(Linear(0.2, 0.0)),
         "lr": attnreg.LayerwiseLR(lr=LR, decay=0.8, multipliers={"gates": 10}, schedule=Linear(1.0, 0.1)),
         "freeze": attnreg.FreezeLayers(["embeddings"], epochs=1),
-        "gating": attnreg.HeadGating(weight=0.01, keep=6),
+        "gating": attnreg.HeadGating(gates=L1Gates(weight=0.01), removal=Removal(keep=6)),
         "importance": attnreg.HeadImportance(DataLoader(unlabeled, batch_size=None)),
         "monitor": attnreg.AttentionMonitor(every_n_steps=2, heatmaps=False),
     }

@@ -1,6 +1,7 @@
 """attnreg's method objects under the Hugging Face `Trainer` (`AttnRegTrainer`): real `Trainer.train()` runs
-on the pretrained MiniLM and a tiny decoder, a resume with more steps, and the same losses as the Lightning
-adapter for the same scenario, seed and data order."""
+on the pretrained MiniLM and a tiny decoder, a resume with more steps, and the same losses, removed heads
+and weights as the Lightning adapter for the same scenario (entropy, KL, hard-concrete gates with a
+Lagrangian target, dropout schedule, layer-wise LR), seed and data order."""
 
 import importlib.util
 import json
@@ -187,6 +188,7 @@ def scenario():
     return [
         methods.Entropy(weight=Warmup(0.25, Constant(0.1)), mode="max", layers=[0]),
         methods.PriorKL(weight=Linear(1.0, 0.5), heads={1: [0]}),
+        methods.HeadGating(methods.HardConcreteGates(target_warmup=0.5), methods.Removal(keep=5)),
         methods.DropoutSchedule(Linear(0.2, 0.05)),
         methods.LayerwiseLR(lr=1e-3, decay=0.8, multipliers={"gates": 10}, schedule=Warmup(0.25, Linear(1.0, 0.1))),
     ]
@@ -217,10 +219,11 @@ def test_both_adapters_give_the_same_losses(tmp_path):
     )
     hf.train()
 
-    (entropy, kl, dropout, learning_rate) = scenario()
+    (entropy, kl, gating, dropout, learning_rate) = scenario()
     callbacks = {
         "entropy": attnreg.EntropyRegularizer(weight=entropy.weight, mode="max", layers=[0]),
         "kl": attnreg.SyntaxPriorKL(weight=kl.weight, heads={1: [0]}),
+        "gating": attnreg.HeadGating(gating.gates, gating.removal),
         "dropout": attnreg.AttentionDropoutSchedule(dropout.schedule),
         "lr": attnreg.LayerwiseLR(**learning_rate.group_options, schedule=learning_rate.schedule),
     }
@@ -247,3 +250,30 @@ def test_both_adapters_give_the_same_losses(tmp_path):
     trainer.fit(module, DataLoader(list(Stream(4 * steps)), batch_size=4))
     assert len(lightning_losses) == len(Recording.losses) == steps
     assert lightning_losses == pytest.approx(Recording.losses, rel=1e-5, abs=1e-6)
+    hf_gating = next(method for method in hf.attnreg_methods if isinstance(method, methods.HeadGating))
+    assert callbacks["gating"].removed == hf_gating.removed and sum(map(len, hf_gating.removed.values())) == 3
+    assert torch.equal(callbacks["gating"].lambdas, hf_gating.lambdas) and hf_gating.lambdas[0] != 0
+    for name, value in module.model.state_dict().items():
+        torch.testing.assert_close(value, hf.model.state_dict()[name], rtol=1e-5, atol=1e-6)
+
+
+def test_freeze_layers_for_the_first_epoch(tmp_path):
+    model = tiny_model("bert", head="classification").train()
+    embeddings = model.bert.embeddings.word_embeddings.weight
+    start = embeddings.detach().clone()
+    after = {}
+
+    class Snapshot(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs):
+            after[round(state.epoch)] = embeddings.detach().clone()
+
+    trainer = AttnRegTrainer(
+        model=model,
+        args=arguments(tmp_path, num_train_epochs=2, max_steps=-1),
+        train_dataset=list(Stream(8)),
+        methods=[methods.FreezeLayers(["embeddings"], epochs=1)],
+        callbacks=[Snapshot()],
+    )
+    trainer.train()
+    assert torch.equal(after[1], start) and not torch.equal(after[2], start)
+    assert embeddings.requires_grad  # restored after training

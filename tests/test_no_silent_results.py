@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import AutoModelForSequenceClassification
 
 import attnreg
+from attnreg.methods import HardConcreteGates, L1Gates, Removal
 from attnreg.mixin import EvalModeWarning
 from attnreg.progress import TrainingLengthWarning
 from attnreg.schedules import Constant, Linear, Warmup
@@ -145,7 +146,7 @@ class Stream(IterableDataset):
     [
         lambda: attnreg.EntropyRegularizer(weight=Warmup(0.5, Constant(1.0))),
         lambda: attnreg.AttentionDropoutSchedule(Linear(0.1, 0.0)),
-        lambda: attnreg.HeadGating(weight=Warmup(0.5, Constant(0.1))),
+        lambda: attnreg.HeadGating(gates=L1Gates(weight=Warmup(0.5, Constant(0.1)))),
         lambda: attnreg.LayerwiseLR(lr=1e-3, schedule=Linear(1.0, 0.0)),
     ],
     ids=["weight", "dropout", "gating", "lr"],
@@ -182,7 +183,7 @@ def test_a_step_returning_none_names_the_lost_terms():
 
 # -- gates and layer-wise learning rates ------------------------------------------------------------------------
 def test_gates_get_their_own_group_under_layerwise_lr():
-    gating = attnreg.HeadGating(weight=0.1, keep=6)
+    gating = attnreg.HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=6))
     llrd = attnreg.LayerwiseLR(lr=1e-3, decay=0.5, multipliers={"gates": 100})
     seen = {}
 
@@ -203,7 +204,7 @@ def test_gates_get_their_own_group_under_layerwise_lr():
 def test_sequence_classifier_gives_gates_their_own_rate():
     from attnreg.modules import SequenceClassifier
 
-    gating = attnreg.HeadGating(weight=0.1, keep=6)
+    gating = attnreg.HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=6))
     module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3, gate_lr=0.05)
     trainer_ = fit(module, batches(2), [gating])
     groups = {group["name"]: group for group in trainer_.optimizers[0].param_groups}
@@ -233,9 +234,9 @@ def test_save_pretrained_on_an_attached_model_keeps_what_it_computes():
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: attnreg.HeadGating(threshold=-1), "threshold must be a finite number > 0"),
-        (lambda: attnreg.HeadGating(threshold=0), "threshold must be a finite number > 0"),
-        (lambda: attnreg.HeadGating(lagrangian_lr=math.nan), "lagrangian_lr"),
+        (lambda: attnreg.HeadGating(removal=Removal(threshold=-1)), "threshold must be a finite number > 0"),
+        (lambda: attnreg.HeadGating(removal=Removal(threshold=0)), "threshold must be a finite number > 0"),
+        (lambda: attnreg.HeadGating(gates=HardConcreteGates(lagrangian_lr=math.nan)), "lagrangian_lr"),
         (lambda: attnreg.AttentionDropoutSchedule(1.0), r"dropout rate must be in \[0, 1\)"),
         (lambda: attnreg.AttentionDropoutSchedule(0.1, hidden=1.5), r"dropout rate must be in \[0, 1\)"),
     ],
@@ -248,7 +249,7 @@ def test_arguments_that_cannot_work_fail_at_construction(build, message):
 # -- a layer pruned empty under an all-layer regularizer ------------------------------------------------------
 def test_a_layer_pruned_empty_leaves_the_other_layers_regularized():
     entropy = attnreg.EntropyRegularizer(weight=1.0)
-    gating = attnreg.HeadGating(weight=0.01, milestones=[(0.5, 4)])
+    gating = attnreg.HeadGating(gates=L1Gates(weight=0.01), removal=Removal(milestones=[(0.5, 4)]))
     module = classifier()
     with pytest.warns(UserWarning, match="layer [01] has none of its chosen heads left was pruned") as record:
         # heads of one layer are scored far below the other's, so the milestone empties that layer
@@ -279,7 +280,7 @@ def test_supervised_heads_keep_their_original_numbers_after_pruning():
 # -- the Lagrangian under gradient accumulation -------------------------------------------------------------------
 def test_lagrangian_multipliers_take_one_step_per_optimizer_step():
     def multipliers(accumulate):
-        gating = attnreg.HeadGating(kind="hard_concrete", keep=3, lagrangian_lr=1.0)
+        gating = attnreg.HeadGating(gates=HardConcreteGates(lagrangian_lr=1.0), removal=Removal(keep=3))
         torch.manual_seed(0)
         module = classifier()
         trainer_ = L.Trainer(
@@ -341,7 +342,7 @@ def test_a_resumed_run_repeats_the_schedules_and_state_of_the_uninterrupted_run(
             attnreg.LayerwiseLR(lr=1e-2, decay=0.5, schedule=Warmup(0.3, Linear(1.0, 0.0))),
             attnreg.AttentionDropoutSchedule(Linear(0.2, 0.0)),
             attnreg.EntropyRegularizer(weight=Linear(1.0, 0.2)),
-            attnreg.HeadGating(weight=0.1, keep=5),
+            attnreg.HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=5)),
         ]
         seen = {}
 

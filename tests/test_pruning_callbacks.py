@@ -12,6 +12,7 @@ import attnreg
 from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating, HeadImportance
 from attnreg.hub import GATE
+from attnreg.methods import HardConcreteGates, L1Gates, Removal
 from attnreg.schedules import Constant, Warmup
 from attnreg.tiny import tiny_model
 
@@ -107,7 +108,7 @@ class Record(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, *args):
         if self.gating is not None:
-            self.targets[trainer.global_step] = self.gating.target()
+            self.targets[trainer.global_step] = self.gating.target(trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         self.counts[trainer.global_step] = count(pl_module.model)
@@ -115,13 +116,17 @@ class Record(L.Callback):
 
 @pytest.mark.parametrize(
     ("family", "options"),
-    [("bert", dict(kind="l1", weight=0.1, keep=5)), ("gpt2", dict(kind="hard_concrete", keep=5, target_warmup=0.5))],
+    [
+        ("bert", dict(gates=L1Gates(weight=0.1), removal=Removal(keep=5))),
+        ("gpt2", dict(gates=HardConcreteGates(target_warmup=0.5), removal=Removal(keep=5))),
+    ],
 )
 def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
     model = tiny_model(family, head="classification", initializer_range=0.2)
     original = count(model)
     gating = HeadGating(**options)
-    snapshot, record = Snapshot(gating), Record(gating if options["kind"] == "hard_concrete" else None)
+    hard_concrete = isinstance(options["gates"], HardConcreteGates)
+    snapshot, record = Snapshot(gating), Record(gating if hard_concrete else None)
     trainer = fit(Classifier(model), batches(8), [snapshot, gating, record])
     assert "attnreg/head_gating" in trainer.callback_metrics
     assert sum(map(len, gating.removed.values())) == 3 and gating.report.num_removed == 3
@@ -130,7 +135,7 @@ def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
     assert attnreg.hub_of(model).gates == {} and not any(GATE in name for name in model.state_dict())
     # the removed heads are those with the smallest gates at the end (|g|, or the deterministic L0 gate)
     hub = attnreg.hub_of(snapshot.model)
-    if options["kind"] == "l1":
+    if not hard_concrete:
         scores = {layer: gate.detach().abs() for layer, gate in hub.gates.items()}
     else:
         scores = {layer: pruning.hard_concrete(hub, layer).deterministic().detach() for layer in (0, 1)}
@@ -139,7 +144,7 @@ def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
     batch = batches(1, seed=50)[0]
     expected = outputs(close_gates(snapshot.model, gating.removed), batch)
     assert (outputs(model, batch) - expected).abs().max() <= 1e-5
-    if options["kind"] == "hard_concrete":
+    if hard_concrete:
         assert "attnreg/head_gating/expected_heads" in trainer.callback_metrics
         assert gating.lambdas.abs().sum() > 0
         # the Lagrangian's target moves from all 8 heads to 5 over the first half of the 8 steps
@@ -149,7 +154,7 @@ def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
 def test_grouped_query_heads_the_rule_keeps_are_silenced():
     model = tiny_model("llama", head="classification", initializer_range=0.2)
     original = count(model)
-    gating = HeadGating(kind="l1", weight=0.1, keep=5)
+    gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=5))
     snapshot = Snapshot(gating)
     with pytest.warns(UserWarning, match="kept requested heads"):  # 3 heads chosen: one group stays
         fit(Classifier(model), batches(6), [snapshot, gating])
@@ -166,7 +171,7 @@ def test_grouped_query_heads_the_rule_keeps_are_silenced():
 
 def test_l1_threshold_removes_exactly_the_small_gates():
     model = tiny_model("bert", head="classification", initializer_range=0.2)
-    gating = HeadGating(kind="l1", weight=2.0, threshold=0.8, normalize=False)
+    gating = HeadGating(gates=L1Gates(weight=2.0, normalize=False), removal=Removal(threshold=0.8))
     snapshot = Snapshot(gating)
     fit(Classifier(model, lr=0.05), batches(6), [snapshot, gating])
     gates = attnreg.hub_of(snapshot.model).gates
@@ -177,7 +182,7 @@ def test_l1_threshold_removes_exactly_the_small_gates():
 
 def test_pruning_mid_training_goes_on_with_the_schedule():
     model = tiny_model("bert", head="classification", initializer_range=0.2)
-    gating = HeadGating(kind="l1", weight=0.1, keep=5, prune_after_steps=3)
+    gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=5, after_steps=3))
     trainer = fit(Classifier(model, decay=0.9), batches(6), [gating])
     assert (
         gating.pruned
@@ -194,7 +199,7 @@ def test_pruning_mid_training_goes_on_with_the_schedule():
 
 def test_adam_state_of_kept_heads_is_the_sliced_state_at_pruning():
     model = tiny_model("gpt2", head="classification", initializer_range=0.2)
-    gating = HeadGating(kind="l1", weight=0.1, keep=6, prune_after_steps=2)
+    gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=6, after_steps=2))
 
     class After(L.Callback):
         state = None
@@ -231,7 +236,7 @@ def resume_trainer(tmp_path, steps, callbacks):
 
 
 def test_resume_from_a_checkpoint_taken_after_pruning(tmp_path):
-    options = dict(kind="hard_concrete", keep=5, prune_after_steps=3)
+    options = dict(gates=HardConcreteGates(), removal=Removal(keep=5, after_steps=3))
     gating = HeadGating(**options)
     module = Classifier(tiny_model("bert", head="classification"), decay=0.9)
     trainer = resume_trainer(tmp_path, 5, [gating])
@@ -265,7 +270,7 @@ def test_resume_from_a_checkpoint_taken_after_pruning(tmp_path):
 
 
 def test_resume_from_a_checkpoint_taken_while_gating(tmp_path):
-    options = dict(kind="hard_concrete", keep=4)
+    options = dict(gates=HardConcreteGates(), removal=Removal(keep=4))
     every_two = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
     trainer = L.Trainer(
         max_steps=3,
@@ -295,8 +300,8 @@ def test_resume_from_a_checkpoint_taken_while_gating(tmp_path):
     assert count(fresh.model) == count(tiny_model("bert", head="classification")) - 4 * PARAMETERS_PER_HEAD
 
 
-def test_prune_after_epochs_and_a_weight_schedule_of_progress(tmp_path):
-    gating = HeadGating(kind="l1", weight=Warmup(0.5, Constant(0.5)), keep=6, prune_after_epochs=1)
+def test_removal_after_epochs_and_a_weight_schedule_of_progress(tmp_path):
+    gating = HeadGating(gates=L1Gates(weight=Warmup(0.5, Constant(0.5))), removal=Removal(keep=6, after_epochs=1))
     trainer = resume_trainer(tmp_path, 6, [gating])  # 3 batches an epoch: two epochs, 6 estimated steps
     trainer.fit(Classifier(tiny_model("bert", head="classification")), DataLoader(batches(3), batch_size=None))
     assert gating.pruned and gating.pruned_at_step == 3 and trainer.global_step == 6
@@ -306,7 +311,7 @@ def test_prune_after_epochs_and_a_weight_schedule_of_progress(tmp_path):
 
 
 def test_a_weight_given_as_a_function_of_progress():
-    gating = HeadGating(kind="l1", weight=lambda progress: 0.2 * progress, keep=8)
+    gating = HeadGating(gates=L1Gates(weight=lambda progress: 0.2 * progress), removal=Removal(keep=8))
 
     class Weights(L.Callback):
         used = []
@@ -316,16 +321,16 @@ def test_a_weight_given_as_a_function_of_progress():
 
     fit(Classifier(tiny_model("bert", head="classification")), batches(4), [gating, Weights()])
     assert gating.length.total == 4 and Weights.used == pytest.approx([0.0, 0.05, 0.1, 0.15])  # steps 0-3 of 4
-    negative = HeadGating(weight=lambda progress: -1.0)
-    with pytest.raises(ValueError, match=r"HeadGating weight at progress 0: weight must be a finite number >= 0"):
+    negative = HeadGating(gates=L1Gates(weight=lambda progress: -1.0))
+    with pytest.raises(ValueError, match=r"HeadGating weight at step 0: weight must be a finite number >= 0"):
         fit(Classifier(tiny_model("bert", head="classification")), batches(1), [negative])
 
 
 def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
     model = tiny_model("bert", head="classification", initializer_range=0.2)
     original = count(model)
-    gating = HeadGating(kind="l1", weight=0.1, milestones=[(0.25, 6), (0.5, 4), (0.75, 3)])
-    assert gating.keep == 3
+    gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(milestones=[(0.25, 6), (0.5, 4), (0.75, 3)]))
+    assert gating.removal.keep == 3
 
     class AfterRound(L.Callback):  # placed after HeadGating: the model and optimizer right after round 2
         model = state = None
@@ -383,7 +388,7 @@ def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
 
 def test_progressive_grouped_query_rounds_choose_silenced_heads_again():
     model = tiny_model("llama", head="classification", initializer_range=0.2)
-    gating = HeadGating(kind="l1", weight=0.1, milestones=[(0.25, 5), (0.75, 3)])
+    gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(milestones=[(0.25, 5), (0.75, 3)]))
     snapshot, at_final = Snapshot(gating, at_step=3), AtFinalRound(gating)
     with pytest.warns(UserWarning, match="kept requested heads"):
         fit(Classifier(model), batches(4), [snapshot, gating, at_final])
@@ -402,7 +407,7 @@ def test_progressive_grouped_query_rounds_choose_silenced_heads_again():
 
 
 def test_resume_between_milestones(tmp_path):
-    options = dict(kind="hard_concrete", milestones=[(0.25, 6), (0.75, 4)])
+    options = dict(gates=HardConcreteGates(), removal=Removal(milestones=[(0.25, 6), (0.75, 4)]))
     every_four = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
     gating = HeadGating(**options)
     trainer = L.Trainer(
@@ -431,28 +436,28 @@ def test_resume_between_milestones(tmp_path):
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="kind must be 'l1' or 'hard_concrete'"):
-        HeadGating(kind="l2")
+    with pytest.raises(TypeError, match="gates must be L1Gates or HardConcreteGates"):
+        HeadGating(gates="l2")
     with pytest.raises(ValueError, match="stretch"):
-        HeadGating(kind="hard_concrete", stretch=(0.1, 1.1))
+        HeadGating(gates=HardConcreteGates(stretch=(0.1, 1.1)))
     with pytest.raises(ValueError, match="weight must be a finite number >= 0"):
-        HeadGating(weight=-0.1)
+        HeadGating(gates=L1Gates(weight=-0.1))
     with pytest.raises(ValueError, match="target_warmup must be a fraction"):
-        HeadGating(kind="hard_concrete", keep=3, target_warmup=1.0)
+        HeadGating(gates=HardConcreteGates(target_warmup=1.0), removal=Removal(keep=3))
     with pytest.raises(ValueError, match=r"rise in progress and fall in heads kept; \(0.4, 6\) follows \(0.5, 7\)"):
-        HeadGating(milestones=[(0.5, 7), (0.4, 6)])
+        HeadGating(removal=Removal(milestones=[(0.5, 7), (0.4, 6)]))
     with pytest.raises(ValueError, match=r"progress must be in \(0, 1\]"):
-        HeadGating(milestones=[(0.0, 7)])
+        HeadGating(removal=Removal(milestones=[(0.0, 7)]))
     with pytest.raises(ValueError, match="keep=4 disagrees with the last milestone's 3 heads"):
-        HeadGating(milestones=[(0.5, 3)], keep=4)
+        HeadGating(removal=Removal(milestones=[(0.5, 3)], keep=4))
     with pytest.raises(ValueError, match="not both"):
-        HeadGating(milestones=[(0.5, 3)], prune_after_steps=2)
+        HeadGating(removal=Removal(milestones=[(0.5, 3)], after_steps=2))
     model = tiny_model("bert", head="classification")
     with pytest.raises(ValueError, match=r"keep=9 heads, but the gated layers \[0, 1\] have only 8"):
-        fit(Classifier(model), batches(1), [HeadGating(keep=9)])
+        fit(Classifier(model), batches(1), [HeadGating(removal=Removal(keep=9))])
     assert count(model) == count(tiny_model("bert", head="classification"))
     with pytest.raises(ValueError, match=r"the first milestone keeps 9 heads, but the gated layers \[0, 1\]"):
-        fit(Classifier(model), batches(1), [HeadGating(milestones=[(0.5, 9), (0.7, 2)])])
+        fit(Classifier(model), batches(1), [HeadGating(removal=Removal(milestones=[(0.5, 9), (0.7, 2)]))])
     assert count(model) == count(tiny_model("bert", head="classification"))
 
 

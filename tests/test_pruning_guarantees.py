@@ -12,6 +12,7 @@ from conftest import Classifier, fit, main_output, padded_batch
 import attnreg
 from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating
+from attnreg.methods import L1Gates, Removal
 from attnreg.pruning import load_pruned, prune_heads, pruned_heads, save_pruned, silenced_heads, surgery
 from attnreg.tiny import tiny_model
 
@@ -170,7 +171,8 @@ class SilencedColumns(L.Callback):
 
 def test_heads_silenced_by_a_gating_round_stay_silent_while_training_goes_on():
     model = tiny_model("llama", head="classification", initializer_range=0.2)
-    gating, watch = HeadGating(kind="l1", weight=0.1, milestones=[(0.25, 5), (0.75, 3)]), SilencedColumns()
+    gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(milestones=[(0.25, 5), (0.75, 3)]))
+    watch = SilencedColumns()
     batch = {**padded_batch(batch=8, length=10), "labels": torch.tensor([0, 1] * 4)}
     with pytest.warns(UserWarning, match="silenced"):
         fit(Classifier(model), [batch] * 4, [gating, watch])

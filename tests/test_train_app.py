@@ -198,7 +198,7 @@ def test_the_configs_resolver_is_registered_by_the_app_not_by_importing():
 
 def test_pruning_run_saves_the_pruned_model_it_evaluated(tmp_path):
     cfg = composed(
-        *SMALL, *QUIET, "trainer.max_epochs=1", "attnreg=[syntax_kl,head_gating]", "attnreg.head_gating.keep=6"
+        *SMALL, *QUIET, "trainer.max_epochs=1", "attnreg=[syntax_kl,head_gating]", "attnreg.head_gating.removal.keep=6"
     )
     summary = train(cfg, tmp_path)
     assert sum(summary["pruning"]["heads_left"]) == 6
@@ -213,7 +213,7 @@ def test_pruning_run_saves_the_pruned_model_it_evaluated(tmp_path):
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_runs_every_callback_and_prunes_alike(tmp_path):
     callbacks = "attnreg=[syntax_kl,entropy,dropout_schedule,head_gating,layerwise_lr]"
-    overrides = ["trainer=ddp", callbacks, "attnreg.head_gating.keep=6", *SMALL, *QUIET, "trainer.max_epochs=2"]
+    overrides = ["trainer=ddp", callbacks, "attnreg.head_gating.removal.keep=6", *SMALL, *QUIET, "trainer.max_epochs=2"]
     result = run_app(*overrides, "trainer.log_every_n_steps=2", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed_backend=gloo" in result.stderr + result.stdout

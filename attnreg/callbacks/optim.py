@@ -17,16 +17,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import lightning as L
-import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim.lr_scheduler import LambdaLR
 
 from attnreg import methods
 from attnreg.callbacks.base import MethodCallback
-from attnreg.optim import LayerKey, parameters_by_layer, resolve_layer_groups
 
 
 class LayerwiseLR(MethodCallback):
@@ -65,50 +61,20 @@ class LayerwiseLR(MethodCallback):
                 group["lr"] = base * self.method.factor(scheduler.last_epoch)
 
 
-class FreezeLayers(L.Callback):
-    """Freezes layer groups (`"embeddings"`, `"layer0"`, ... or layer indices) for the first `epochs` epochs.
-
-    Unlike Lightning's `BackboneFinetuning` it never adds parameter groups: the frozen parameters stay in
-    the optimizer (they must be in it: checked at fit start) and only lose their gradients, so the
-    optimizer and any scheduler keep their shape and resuming at any epoch restores the same state. Under
-    DDP use a strategy that finds unused parameters. `requires_grad` is restored after `fit`.
+class FreezeLayers(MethodCallback):
+    """Freezes layer groups for the first `epochs` epochs (`attnreg.methods.FreezeLayers(groups, epochs)`),
+    chosen from `trainer.current_epoch` at every epoch start, so a resumed run matches. Under DDP use a
+    strategy that finds unused parameters. `requires_grad` is restored after `fit`.
 
     Example:
         >>> FreezeLayers(["embeddings", 0, 1], epochs=1)    # train the upper layers and head first
     """
 
-    def __init__(self, groups: Iterable[LayerKey] | LayerKey, epochs: int) -> None:
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
-        self.groups = groups
-        self.epochs = epochs
-        self._params: list[torch.nn.Parameter] = []
-        self._original: list[bool] = []
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        layers = parameters_by_layer(pl_module)
-        names = resolve_layer_groups(self.groups, list(layers), "groups")
-        self._params = [param for name in dict.fromkeys(names) for _, param in layers[name]]
-        self._original = [param.requires_grad for param in self._params]
+    method_class = methods.FreezeLayers
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        in_optimizer = {id(p) for optimizer in trainer.optimizers for g in optimizer.param_groups for p in g["params"]}
-        missing = sum(id(param) not in in_optimizer for param in self._params)
-        if missing:
-            raise ValueError(
-                f"FreezeLayers: {missing} parameters of groups {self.groups!r} are not in any optimizer, so they would "
-                "never train after unfreezing; keep them in configure_optimizers (LayerwiseLR does unless frozen= "
-                "names them)"
-            )
+        super().on_fit_start(trainer, pl_module)
+        self.method.check_optimizer(trainer.optimizers)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        frozen = trainer.current_epoch < self.epochs
-        for param, original in zip(self._params, self._original, strict=True):
-            param.requires_grad_(original and not frozen)
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for param, original in zip(self._params, self._original, strict=True):
-            param.requires_grad_(original)
-        self._params, self._original = [], []
+        self.method.before_epoch(trainer.current_epoch)

@@ -8,7 +8,11 @@ It takes the same method objects as the Lightning callbacks (`attnreg.methods`):
 - `DropoutSchedule`: the rates are set at every optimizer step (`on_step_begin`) and logged;
 - `LayerwiseLR`: its named parameter groups make the Trainer's optimizer (its `lr` replaces
   `args.learning_rate`), and its schedule, when it has one, the LR scheduler; without one the
-  Trainer's own scheduler (`args.lr_scheduler_type`, warmup) runs over the groups.
+  Trainer's own scheduler (`args.lr_scheduler_type`, warmup) runs over the groups;
+- `FreezeLayers`: layer groups frozen for the first epochs, at every epoch start;
+- `HeadGating`: gates are created with the trainer (before its optimizer), the penalty is a loss term,
+  the Lagrangian's dual step runs once per optimizer step, and heads are removed when its `Removal`
+  says (the end of training by default), the optimizer's state sliced along.
 
 Progress is `state.global_step / state.max_steps` (`attnreg.progress`). Checkpoints carry the methods'
 state in `attnreg_state.json`, read back by `train(resume_from_checkpoint=...)`. Batch keys the methods
@@ -40,7 +44,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from attnreg.hub import attach
-from attnreg.methods import DropoutSchedule, LayerwiseLR, LossTerm, Method, PriorKL
+from attnreg.methods import DropoutSchedule, FreezeLayers, HeadGating, LayerwiseLR, LossTerm, Method, PriorKL
 
 STATE_FILE = "attnreg_state.json"
 _KEPT_COLUMNS = ("sentence", "label", "labels")  # what SyntaxCollator reads from dataset items
@@ -55,23 +59,28 @@ class AttnRegTrainer(Trainer):
 
     def __init__(self, *args: Any, methods: Sequence[Method] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        model = self.model
-        attach(model)
-        taken: set[str] = set()
         for method in methods:
             if not isinstance(method, Method):
                 raise TypeError(f"methods must be attnreg.methods objects, got {type(method).__name__}")
-            method.bind(model, taken)
-            taken.add(method.name)
         learning_rates = [method for method in methods if isinstance(method, LayerwiseLR)]
         if len(learning_rates) > 1:
             raise ValueError("AttnRegTrainer: give at most one LayerwiseLR (it builds the optimizer)")
         self.attnreg_methods = list(methods)
-        self._terms = [method for method in methods if isinstance(method, LossTerm)]
+        self._terms = [method for method in methods if isinstance(method, LossTerm | HeadGating)]
         self._learning_rate = learning_rates[0] if learning_rates else None
         self._batch_keys = {method.prior_key for method in methods if isinstance(method, PriorKL)}
         self._figures: dict[str, list[float]] = {}
+        self._bind_methods()  # gates must exist before the optimizer is built
         self.add_callback(_MethodSteps(self))
+
+    def _bind_methods(self) -> None:
+        """Bind every method not bound yet to the model, each under a name no other holds."""
+        attach(self.model)
+        taken = {method.name for method in self.attnreg_methods if method.model is not None}
+        for method in self.attnreg_methods:
+            if method.model is None:
+                method.bind(self.model, taken)
+                taken.add(method.name)
 
     # -- the loss ------------------------------------------------------------------------------------------
     def compute_loss(
@@ -82,13 +91,14 @@ class AttnRegTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         model_inputs = {key: value for key, value in inputs.items() if key not in self._batch_keys}
-        if not self._terms or not model.training:
+        terms = [method for method in self._terms if not getattr(method, "pruned", False)]
+        if not terms or not model.training:
             return super().compute_loss(model, model_inputs, return_outputs, num_items_in_batch)
         hub = attach(self.accelerator.unwrap_model(model))
-        layers = _capture_layers(self._terms)
+        layers = _capture_layers(terms)
         with hub.capture(layers, require_grad=torch.is_grad_enabled()) as probs:
             loss, outputs = super().compute_loss(model, model_inputs, True, num_items_in_batch)
-        for method in self._terms:
+        for method in terms:
             value, figures = method.term(probs, inputs, self.state.global_step)
             loss = loss + value
             self._record({method.name: value.detach(), **figures})
@@ -132,12 +142,13 @@ class AttnRegTrainer(Trainer):
                 folder = get_last_checkpoint(self.args.output_dir)
             if folder is not None:
                 self._load_method_state(folder)
+        self._bind_methods()
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
             for method in self.attnreg_methods:
-                if isinstance(method, DropoutSchedule) and method.hub is not None:
-                    method.hub.set_attention_dropout(None, method.layers)
+                if isinstance(method, DropoutSchedule | FreezeLayers):
+                    method.unbind()  # the model's own dropout rates and requires_grad come back
 
     def _load_method_state(self, folder: str | os.PathLike) -> None:
         path = Path(folder, STATE_FILE)
@@ -169,17 +180,56 @@ class _MethodSteps(TrainerCallback):
     def __init__(self, trainer: AttnRegTrainer) -> None:
         self.trainer = trainer
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        optimizer = self.trainer.optimizer
+        for method in self.trainer.attnreg_methods:
+            if isinstance(method, FreezeLayers):
+                method.check_optimizer([getattr(optimizer, "optimizer", optimizer)])
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for method in self.trainer.attnreg_methods:
+            if isinstance(method, FreezeLayers):
+                method.before_epoch(round(state.epoch))
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for method in self.trainer.attnreg_methods:
             if isinstance(method, DropoutSchedule):
                 self.trainer._record(method.before_step(state.global_step))
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for gating in self._gatings():
+            gating.dual_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for gating in self._gatings():
+            self._prune_if_due(gating, gating.due(state.global_step), state.global_step)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for gating in self._gatings():
+            self._prune_if_due(gating, gating.due(state.global_step, round(state.epoch)), state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for gating in self._gatings():
+            self._prune_if_due(gating, gating.due(state.global_step, end=True), state.global_step)
+
+    def _gatings(self) -> list[HeadGating]:
+        return [method for method in self.trainer.attnreg_methods if isinstance(method, HeadGating)]
+
+    def _prune_if_due(self, gating: HeadGating, due: tuple[int | None, bool] | None, step: int) -> None:
+        if due is None:
+            return
+        if self.trainer.args.world_size > 1 and not due[1]:
+            raise NotImplementedError("HeadGating: pruning during training under several processes is not supported")
+        optimizer = self.trainer.optimizer
+        optimizers = [getattr(optimizer, "optimizer", optimizer)]  # the torch optimizer inside accelerate's wrapper
+        gating.prune(optimizers, step, keep=due[0], final=due[1])
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
             self.trainer.save_method_state(Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
 
 
-def _capture_layers(terms: Sequence[LossTerm]) -> tuple[int, ...] | None:
+def _capture_layers(terms: Sequence[LossTerm | HeadGating]) -> tuple[int, ...]:
     layers: set[int] = set()
     for term in terms:
         layers.update(term.layers)

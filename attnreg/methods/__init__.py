@@ -10,17 +10,24 @@ Example:
 
 from attnreg.methods.base import Method, free_name
 from attnreg.methods.dropout import DropoutSchedule, hidden_dropout_modules
-from attnreg.methods.optim import LayerwiseLR
+from attnreg.methods.gating import HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
+from attnreg.methods.optim import FreezeLayers, LayerwiseLR
 from attnreg.methods.regularizers import AttentionPenalty, Entropy, LossTerm, PriorKL
 
 __all__ = [
     "AttentionPenalty",
     "DropoutSchedule",
     "Entropy",
+    "FreezeLayers",
+    "HardConcreteGates",
+    "HeadGating",
+    "L1Gates",
     "LayerwiseLR",
     "LossTerm",
     "Method",
     "PriorKL",
+    "PruningRound",
+    "Removal",
     "free_name",
     "hidden_dropout_modules",
 ]

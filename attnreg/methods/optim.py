@@ -1,4 +1,5 @@
-"""Per-layer learning rates as a method object: the optimizer's groups and the rate factor per step.
+"""Per-layer learning rates and temporary freezing as method objects: the optimizer's groups and the rate
+factor per step (`LayerwiseLR`); layer groups frozen for the first epochs (`FreezeLayers`).
 
 The groups come from `attnreg.optim.layerwise_param_groups` (ELECTRA's layer-wise decay, multipliers,
 freezing, a `gates` group); the factor from an optional schedule of training progress. Adapters build
@@ -16,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from attnreg.methods.base import Method
-from attnreg.optim import LayerKey, electra_layer_factors, layerwise_param_groups
+from attnreg.optim import (
+    LayerKey,
+    electra_layer_factors,
+    layerwise_param_groups,
+    parameters_by_layer,
+    resolve_layer_groups,
+)
 from attnreg.schedules import ScheduleLike, as_schedule
 
 
@@ -88,3 +95,60 @@ def optimizer_factory(optimizer: str | Callable[..., Optimizer]) -> Callable[...
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a torch.optim class name or a callable, got {optimizer!r}")
     return optimizer
+
+
+class FreezeLayers(Method):
+    """Freezes layer groups (`"embeddings"`, `"layer0"`, ... or layer indices) for the first `epochs` epochs.
+
+    Unlike Lightning's `BackboneFinetuning` it never adds parameter groups: the frozen parameters stay in
+    the optimizer (`check_optimizer` says so when they are not) and only lose their gradients, so the
+    optimizer and any scheduler keep their shape and resuming at any epoch restores the same state.
+    `unbind` restores `requires_grad`.
+
+    Example:
+        >>> freeze = FreezeLayers(["embeddings", 0, 1], epochs=1)    # train the upper layers and head first
+        >>> freeze.bind(model); freeze.before_epoch(0)               # frozen; before_epoch(1) unfreezes
+    """
+
+    default_name = "freeze_layers"
+
+    def __init__(self, groups: Iterable[LayerKey] | LayerKey, epochs: int) -> None:
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
+        super().__init__()
+        self.groups = groups
+        self.epochs = epochs
+        self._params: list[nn.Parameter] = []
+        self._original: list[bool] = []
+
+    def identity(self) -> dict[str, Any]:
+        return {"groups": self.groups, "epochs": self.epochs}
+
+    def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
+        super().bind(model, taken)
+        layers = parameters_by_layer(model)
+        names = resolve_layer_groups(self.groups, list(layers), "groups")
+        self._params = [param for name in dict.fromkeys(names) for _, param in layers[name]]
+        self._original = [param.requires_grad for param in self._params]
+
+    def check_optimizer(self, optimizers: Iterable[Optimizer]) -> None:
+        """Raise unless every parameter this method freezes is in one of `optimizers`."""
+        in_optimizer = {id(p) for optimizer in optimizers for g in optimizer.param_groups for p in g["params"]}
+        missing = sum(id(param) not in in_optimizer for param in self._params)
+        if missing:
+            raise ValueError(
+                f"FreezeLayers: {missing} parameters of groups {self.groups!r} are not in any optimizer, so they would "
+                "never train after unfreezing; keep them in the optimizer (LayerwiseLR does unless freeze= names them)"
+            )
+
+    def before_epoch(self, epoch: int) -> None:
+        """Freeze or unfreeze for `epoch` (0-based)."""
+        frozen = epoch < self.epochs
+        for param, original in zip(self._params, self._original, strict=True):
+            param.requires_grad_(original and not frozen)
+
+    def unbind(self) -> None:
+        for param, original in zip(self._params, self._original, strict=True):
+            param.requires_grad_(original)
+        self._params, self._original = [], []
+        super().unbind()

@@ -1,0 +1,371 @@
+"""Soft head pruning as a method object: trainable per-head gates with a sparsity penalty, then
+physical removal of the heads whose gates closed, with the optimizer's state sliced along.
+
+Three small configs, each a frozen dataclass a Hydra config can name:
+
+- `L1Gates`: gates start at 1; penalty `weight * sum |g|` (divided by the number of gated heads with
+  `normalize`); scores `|g|`.
+- `HardConcreteGates`: L0 gates (Louizos et al. 2018, as Voita et al. 2019); penalty `weight * expected
+  L0`. With `Removal(keep=K)` (or milestones), CoFi's Lagrangian `l1 (s - t) + l2 (s - t)^2` on the
+  expected number of kept heads `s` against a target `t` moving from all heads to K over the first
+  `target_warmup` of training replaces it, `l1, l2` raised by dual ascent once per optimizer step
+  (step `lagrangian_lr`); scores: the deterministic gate.
+- `Removal`: which heads go (all but the `keep` best, else those scoring below `threshold`) and when
+  (the end of training by default; `after_steps` optimizer steps or `after_epochs` epochs; or
+  progressively at `milestones`, `(progress, heads kept)` pairs).
+
+Grouped-query layers follow `attnreg.pruning.prune_heads`: a chosen query head whose key/value group
+stays is silenced exactly, and chosen again in a later round.
+
+Example:
+    >>> gating = HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=36))
+    >>> gating.bind(model, taken=set()); gating.start(estimated_steps=1000)
+    >>> value, logs = gating.term(probs, batch, step)      # the penalty, every micro-batch
+    >>> gating.dual_step()                                 # once per optimizer step
+    >>> if gating.due(step=1000, epochs_done=None, end=True):
+    ...     gating.prune(optimizers, step=1000)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnreg import pruning
+from attnreg.hub import AttentionRecord
+from attnreg.methods.base import Method
+from attnreg.methods.regularizers import check_weight
+from attnreg.schedules import ScheduleLike, as_schedule
+
+Milestones = Sequence[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class L1Gates:
+    """Gates starting at 1 with an L1 penalty of `weight` (a number or a schedule of progress)."""
+
+    weight: ScheduleLike = 0.01
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        _check_schedule_weight(self.weight)
+
+
+@dataclass(frozen=True)
+class HardConcreteGates:
+    """Hard-concrete (L0) gates: `temperature`, `stretch`, log-alpha starting at `initial_log_alpha`;
+    `target_warmup` and `lagrangian_lr` shape the Lagrangian used when `Removal` sets a head count."""
+
+    weight: ScheduleLike = 0.01
+    normalize: bool = True
+    temperature: float = 2.0 / 3.0
+    stretch: tuple[float, float] = (-0.1, 1.1)
+    initial_log_alpha: float = 2.0
+    target_warmup: float = 0.0
+    lagrangian_lr: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_schedule_weight(self.weight)
+        object.__setattr__(self, "stretch", tuple(self.stretch))
+        pruning.HardConcreteGate(0, temperature=self.temperature, stretch=self.stretch)  # validates both now
+        if not 0.0 <= self.target_warmup < 1.0:
+            raise ValueError(f"target_warmup must be a fraction of training in [0, 1), got {self.target_warmup}")
+        _check_positive(self.lagrangian_lr, "lagrangian_lr")
+
+
+@dataclass(frozen=True)
+class Removal:
+    """Which heads go and when (see the module docstring)."""
+
+    threshold: float = 0.1
+    keep: int | None = None
+    after_steps: int | None = None
+    after_epochs: int | None = None
+    milestones: Milestones | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        _check_positive(self.threshold, "threshold")
+        for argument in ("after_steps", "after_epochs", "keep"):
+            value = getattr(self, argument)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"Removal: {argument} must be an integer >= 0, got {value!r}")
+        milestones = _check_milestones(self.milestones, self.keep, self.after_steps, self.after_epochs)
+        object.__setattr__(self, "milestones", milestones or None)
+        if milestones:
+            object.__setattr__(self, "keep", milestones[-1][1])
+
+    @property
+    def during_training(self) -> bool:
+        """Whether heads go before the end of training (shapes change mid-run)."""
+        return bool(self.milestones) or self.after_steps is not None or self.after_epochs is not None
+
+
+@dataclass(frozen=True)
+class PruningRound:
+    """One removal: at optimizer step `step`, the heads chosen (original numbers per layer; heads silenced
+    in an earlier round under the grouped-query rule are chosen again) and what
+    `attnreg.pruning.prune_heads` did (`report.heads`: heads per layer afterwards)."""
+
+    step: int
+    chosen: dict[int, list[int]]
+    report: pruning.PruneReport
+    final: bool
+
+
+class HeadGating(Method):
+    """Trainable per-head gates on `layers` (None = all) with a sparsity penalty, then removal.
+
+    Gates are created in `bind`, so that they exist before the optimizer is built. After training:
+    `removed` ({layer: original numbers}), `rounds` (each removal), `report` (the last one).
+    """
+
+    default_name = "head_gating"
+
+    def __init__(
+        self,
+        gates: L1Gates | HardConcreteGates | None = None,
+        removal: Removal | None = None,
+        layers: int | Iterable[int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name)
+        self.gates = L1Gates() if gates is None else gates
+        self.removal = Removal() if removal is None else removal
+        if not isinstance(self.gates, L1Gates | HardConcreteGates):
+            raise TypeError(f"HeadGating: gates must be L1Gates or HardConcreteGates, got {type(self.gates).__name__}")
+        if not isinstance(self.removal, Removal):
+            raise TypeError(f"HeadGating: removal must be a Removal, got {type(self.removal).__name__}")
+        self.schedule = as_schedule(self.gates.weight, "weight")
+        self.layers_argument = layers
+        self.layers: tuple[int, ...] = ()  # captured for the term: none
+        self.gated_layers: tuple[int, ...] = ()
+        self.gated_heads = 0
+        self.lambdas = torch.zeros(2)
+        self._gaps: list[torch.Tensor] = []  # constraint gaps of the micro-batches since the last optimizer step
+        self.pruned = False
+        self.milestones_done = 0
+        self.removed: dict[int, list[int]] = {}
+        self.rounds: list[PruningRound] = []
+        self.report: pruning.PruneReport | None = None
+        self.pruned_at_step: int | None = None
+
+    @property
+    def lagrangian(self) -> bool:
+        """Whether the penalty is CoFi's Lagrangian toward a head count."""
+        return isinstance(self.gates, HardConcreteGates) and self.removal.keep is not None
+
+    def identity(self) -> dict[str, Any]:
+        return {"name": self.name_argument, "layers": self.layers_argument}
+
+    def schedules(self) -> list[Callable[[float], float] | None]:
+        warmup = self.lagrangian and self.gates.target_warmup > 0
+        return [self.schedule, *([_changing] if self.removal.milestones or warmup else [])]
+
+    # -- life cycle --------------------------------------------------------------------------------------
+    def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
+        super().bind(model, taken)
+        hub = self.hub
+        layers = hub.resolve_layers(self.layers_argument, "layers")
+        self.gated_layers = tuple(layer for layer in layers if hub.layers[layer].num_heads > 0)
+        self.gated_heads = sum(hub.layers[layer].num_heads for layer in self.gated_layers)
+        removal = self.removal
+        most, what = (
+            (removal.milestones[0][1], "the first milestone keeps ") if removal.milestones else (removal.keep, "keep=")
+        )
+        if most is not None and most > self.gated_heads and not self.pruned:
+            raise ValueError(
+                f"HeadGating: {what}{most} heads, but the gated layers {list(self.gated_layers)} have only "
+                f"{self.gated_heads}"
+            )
+        if self.pruned:
+            return
+        for layer in self.gated_layers:
+            if isinstance(self.gates, L1Gates):
+                hub.gate(layer)
+            else:
+                gates = self.gates
+                pruning.make_hard_concrete(hub, layer, gates.initial_log_alpha, gates.temperature, gates.stretch)
+
+    def start(self, estimated_steps: float) -> None:
+        super().start(estimated_steps)
+        self.gated_layers = tuple(layer for layer in self.gated_layers if self.hub.layers[layer].num_heads > 0)
+
+    # -- the penalty ---------------------------------------------------------------------------------------
+    def current_weight(self, step: int) -> float:
+        """The penalty's weight at optimizer step `step`."""
+        return check_weight(self.schedule(self.progress(step)), f"HeadGating weight at step {step}")
+
+    def target(self, step: int) -> float:
+        """The Lagrangian's target number of heads at `step`."""
+        warmup = self.gates.target_warmup
+        ramp = 1.0 if warmup == 0 else min(1.0, self.progress(step) / warmup)
+        return self.gated_heads - (self.gated_heads - self.removal.keep) * ramp
+
+    def term(self, probs: AttentionRecord, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the penalty, figures to log) for one micro-batch at optimizer step `step`; 0 once pruned."""
+        if self.pruned:
+            return torch.zeros(()), {}
+        gates = [self._gate(layer) for layer in self.gated_layers]
+        if isinstance(self.gates, L1Gates):
+            values = torch.cat(gates)
+            return self.current_weight(step) * values.abs().sum() / (values.numel() if self.gates.normalize else 1), {}
+        expected = torch.cat([gate.expected_l0() for gate in gates])
+        if not self.lagrangian:
+            scale = expected.numel() if self.gates.normalize else 1
+            return self.current_weight(step) * expected.sum() / scale, {}
+        gap = (expected.sum() - self.target(step)) / self.gated_heads
+        lambdas = self.lambdas.to(gap.device)
+        self._gaps.append(gap.detach())
+        return lambdas[0] * gap + lambdas[1] * gap**2, {f"{self.name}/expected_heads": expected.sum().detach()}
+
+    def dual_step(self) -> None:
+        """Dual ascent, once per optimizer step (whatever the gradient accumulation): the multipliers
+        grow while the constraint is violated, by the mean gap of the step's micro-batches."""
+        if not self._gaps:
+            return
+        gap = torch.stack(self._gaps).mean()
+        self._gaps = []
+        self.lambdas = self.lambdas.to(gap.device) + self.gates.lagrangian_lr * torch.stack([gap, gap**2])
+
+    def _gate(self, layer: int) -> torch.Tensor | pruning.HardConcreteGate:
+        gate = self.hub.gates.get(layer)
+        if gate is None:  # never create one here: it would not be in the optimizer
+            raise RuntimeError(f"HeadGating: the gate of layer {layer} is gone (removed after setup)")
+        return gate
+
+    # -- removal ------------------------------------------------------------------------------------------
+    def due(self, step: int, epochs_done: int | None = None, end: bool = False) -> tuple[int | None, bool] | None:
+        """Whether heads go now: None, or (heads to keep, or None to threshold; whether this is the final
+        round). Call after each optimizer step with `step`, at each epoch end with `epochs_done`, and
+        once at the end of training with `end=True`."""
+        if self.pruned:
+            return None
+        removal = self.removal
+        if removal.milestones and not end and epochs_done is None:
+            progress = self.progress(step)
+            due = [i for i, (at, _) in enumerate(removal.milestones) if i >= self.milestones_done and progress >= at]
+            if due:
+                self.milestones_done = due[-1] + 1
+                return removal.milestones[due[-1]][1], self.milestones_done == len(removal.milestones)
+            return None
+        if end:
+            return removal.keep, True
+        if epochs_done is not None:
+            return (
+                (removal.keep, True)
+                if removal.after_epochs is not None and epochs_done >= removal.after_epochs
+                else None
+            )
+        if removal.after_steps is not None and step >= removal.after_steps:
+            return removal.keep, True
+        return None
+
+    def scores(self) -> dict[int, torch.Tensor]:
+        """Per gated layer, what decides which heads stay: |g|, or the deterministic hard-concrete gate."""
+        with torch.no_grad():
+            if isinstance(self.gates, L1Gates):
+                return {layer: self._gate(layer).detach().abs().float().cpu() for layer in self.gated_layers}
+            return {layer: self._gate(layer).deterministic().detach().float().cpu() for layer in self.gated_layers}
+
+    def choose(self, keep: int | None) -> dict[int, list[int]]:
+        """Current positions of the heads to remove: all but the `keep` best, else those below the threshold."""
+        model = self.require_bound()
+        scores = self.scores()
+        for layer, heads in pruning.silenced_heads(model).items():  # chosen before, kept by the grouped-query rule
+            if layer in scores:
+                numbers = pruning.head_numbers(model, layer)
+                scores[layer][[numbers.index(head) for head in heads]] = -math.inf
+        return pruning.select_heads(scores, threshold=self.removal.threshold if keep is None else None, keep=keep)
+
+    def prune(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        step: int,
+        keep: int | None = None,
+        final: bool = True,
+        positions: dict[int, list[int]] | None = None,
+    ) -> pruning.PruneReport:
+        """Remove the chosen heads (`positions`, else `choose(keep)`) with the optimizers' state sliced;
+        with `final`, fold every gate first and stop the penalty."""
+        model = self.require_bound()
+        positions = self.choose(keep) if positions is None else positions
+        chosen = {layer: heads for layer, heads in pruning.to_original_numbers(model, positions).items() if heads}
+        if final:
+            pruning.fold_gates(model, optimizers)
+        self.report = pruning.prune_heads(model, chosen, optimizers)  # silences those the grouped-query rule keeps
+        for layer, heads in chosen.items():
+            self.removed[layer] = sorted({*self.removed.get(layer, ()), *heads})
+        self.gated_layers = tuple(layer for layer in self.gated_layers if self.hub.layers[layer].num_heads > 0)
+        self.rounds.append(PruningRound(step, chosen, self.report, final))
+        if final:
+            self.pruned, self.pruned_at_step = True, step
+        return self.report
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "pruned": self.pruned,
+            "removed": {str(layer): heads for layer, heads in self.removed.items()},
+            "lambdas": self.lambdas.tolist(),
+            "milestones_done": self.milestones_done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.pruned = bool(state["pruned"])
+        self.removed = {int(layer): list(heads) for layer, heads in state["removed"].items()}
+        self.lambdas = torch.tensor(state["lambdas"])
+        self.milestones_done = int(state.get("milestones_done", 0))
+
+
+def _changing(progress: float) -> float:
+    """Stands for a schedule of progress (milestones, a target warmup): the training length is needed."""
+    return progress
+
+
+def _check_schedule_weight(weight: ScheduleLike) -> None:
+    if not callable(weight):
+        check_weight(weight, "gates")
+
+
+def _check_positive(value: Any, argument: str) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
+        raise ValueError(f"{argument} must be a finite number > 0, got {value!r}")
+
+
+def _check_milestones(
+    milestones: Milestones | None, keep: int | None, after_steps: int | None, after_epochs: int | None
+) -> tuple[tuple[float, int], ...]:
+    if milestones is None:
+        return ()
+    if after_steps is not None or after_epochs is not None:
+        raise ValueError("Removal: give milestones or after_steps / after_epochs, not both")
+    checked: list[tuple[float, int]] = []
+    for item in milestones:
+        try:
+            at, count = item
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Removal: each milestone is (progress, heads to keep), e.g. (0.5, 36); got {item!r}"
+            ) from None
+        if isinstance(at, bool) or not isinstance(at, int | float) or not 0.0 < at <= 1.0:
+            raise ValueError(f"Removal: a milestone's progress must be in (0, 1], got {at!r} in {item!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"Removal: a milestone's head count must be an integer >= 0, got {count!r}")
+        if checked and (at <= checked[-1][0] or count >= checked[-1][1]):
+            raise ValueError(
+                f"Removal: milestones must rise in progress and fall in heads kept; {item!r} follows {checked[-1]!r}"
+            )
+        checked.append((float(at), count))
+    if not checked:
+        raise ValueError("Removal: milestones is empty (leave it None to prune once)")
+    if keep is not None and keep != checked[-1][1]:
+        raise ValueError(f"Removal: keep={keep} disagrees with the last milestone's {checked[-1][1]} heads")
+    return tuple(checked)
