@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -546,3 +546,30 @@ def _remove_hooks(hooks: dict, is_ours, flags: dict | None = None) -> None:
         del hooks[key]
         if flags is not None:
             flags.pop(key, None)
+
+
+def find_transformers_model(module: nn.Module) -> PreTrainedModel:
+    """The one transformers model inside `module` (or `module` itself), for any LightningModule.
+
+    `module.attnreg_model_attr`, where set, names the attribute to use when there is more than one.
+
+    Example:
+        >>> find_transformers_model(classifier) is classifier.model
+        True
+    """
+    attr = getattr(module, "attnreg_model_attr", None)
+    if attr is not None:
+        return getattr(module, attr)
+    found = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    outermost = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
+    if len(outermost) != 1:
+        names = [type(m).__name__ for m in outermost] or "none"
+        raise RuntimeError(
+            f"{type(module).__name__} must hold exactly one transformers model for attnreg, found {names}; "
+            "set `attnreg_model_attr` to the attribute that holds the one to use"
+        )
+    return outermost[0]
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())

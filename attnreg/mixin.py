@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
-from attnreg.hub import AttentionHub, AttentionRecord, attach
+from attnreg.hub import AttentionHub, AttentionRecord, attach, find_transformers_model
 from attnreg.pruning import add_pruning_to_checkpoint, restore_pruning
 
 TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
@@ -189,29 +188,6 @@ def _add_loss(output: Any, extra: torch.Tensor) -> Any:
     )
 
 
-def find_transformers_model(module: nn.Module) -> PreTrainedModel:
-    """The one transformers model inside `module` (or `module` itself), for any LightningModule.
-
-    `module.attnreg_model_attr`, where set, names the attribute to use when there is more than one.
-
-    Example:
-        >>> find_transformers_model(classifier) is classifier.model
-        True
-    """
-    attr = getattr(module, "attnreg_model_attr", None)
-    if attr is not None:
-        return getattr(module, attr)
-    found = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
-    outermost = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
-    if len(outermost) != 1:
-        names = [type(m).__name__ for m in outermost] or "none"
-        raise RuntimeError(
-            f"{type(module).__name__} must hold exactly one transformers model for attnreg, found {names}; "
-            "set `attnreg_model_attr` to the attribute that holds the one to use"
-        )
-    return outermost[0]
-
-
 def require_mixin(pl_module: Any, user: object) -> AttnRegMixin:
     """Return `pl_module` if it uses `AttnRegMixin`, else raise an error telling how to add it."""
     if not isinstance(pl_module, AttnRegMixin):
@@ -221,10 +197,6 @@ def require_mixin(pl_module: Any, user: object) -> AttnRegMixin:
             f"`class {name}(attnreg.AttnRegMixin, lightning.LightningModule)`"
         )
     return pl_module
-
-
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
 
 
 def _world_size(module: Any) -> int:

@@ -38,8 +38,7 @@ from typing import Any
 from torch import nn
 
 from attnreg.families import detect_family
-from attnreg.hub import GATE, is_attached
-from attnreg.mixin import find_transformers_model
+from attnreg.hub import GATE, find_transformers_model, is_attached
 from attnreg.pruning import gate_parameters
 
 EMBEDDINGS = "embeddings"

@@ -277,3 +277,25 @@ def test_freeze_layers_for_the_first_epoch(tmp_path):
     trainer.train()
     assert torch.equal(after[1], start) and not torch.equal(after[2], start)
     assert embeddings.requires_grad  # restored after training
+
+
+def test_monitor_and_head_importance(tmp_path):
+    logs = Logs()
+    monitor = methods.Monitor(every_n_steps=2, heatmaps=False, collapse_threshold=0.9999999, on_collapse="stop")
+    scoring = [{k: v for k, v in batch.items() if k != PRIOR_KEY} for batch in DataLoader(list(Stream(8)), 4)]
+    importance = methods.HeadImportance(scoring)
+    trainer = AttnRegTrainer(
+        model=tiny_model("gpt2", head="classification").train(),
+        args=arguments(tmp_path, max_steps=6),
+        train_dataset=Stream(64),
+        methods=[monitor, importance],
+        callbacks=[logs],
+    )
+    with pytest.warns(methods.EntropyCollapseWarning, match="collapse at step 2"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # on_collapse="stop": near-uniform heads of a random model fall below
+    checked = [log for log in logs.logs if "attnreg/monitor/entropy/layer0" in log]
+    assert len(checked) == 1 and 0.9 < checked[0]["attnreg/monitor/entropy/layer0"] < 0.9999999
+    assert monitor.collapses and monitor.collapses[0][0] == 2
+    assert sorted(importance.scores) == [0, 1] and all(len(s) == 4 for s in importance.scores.values())
+    assert all(torch.isclose(scores.norm(), torch.tensor(1.0)) for scores in importance.scores.values())

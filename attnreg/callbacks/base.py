@@ -3,7 +3,7 @@
 `MethodCallback` binds its method to the LightningModule's transformers model in `setup` (before
 `configure_optimizers`, so gates exist for it), fixes the training length in `on_fit_start`, keeps the
 method's state in Lightning checkpoints (under a key that tells two instances of one class apart) and
-unbinds it in `teardown`. Attributes of the method read through the callback (`callback.name`,
+unbinds it in `teardown`. The method's attributes read and write through the callback (`callback.name`,
 `callback.layers`). `TermCallback` adds a loss term through `attnreg.AttnRegMixin`.
 
 Example:
@@ -19,10 +19,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from attnreg.hub import AttentionRecord
+from attnreg.hub import AttentionRecord, find_transformers_model
 from attnreg.methods import Method
 from attnreg.methods.regularizers import LossTerm
-from attnreg.mixin import AttnRegMixin, find_transformers_model, require_mixin
+from attnreg.mixin import AttnRegMixin, require_mixin
 
 
 class MethodCallback(L.Callback):
@@ -44,6 +44,14 @@ class MethodCallback(L.Callback):
         if method is None:
             raise AttributeError(name)
         return getattr(method, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A setting the method has is set on the method (`monitor.tokenizer = ...`), the rest here."""
+        method = self.__dict__.get("method")
+        if method is not None and name in vars(method) and name not in vars(self):
+            setattr(method, name, value)
+        else:
+            super().__setattr__(name, value)
 
     @property
     def state_key(self) -> str:

@@ -18,16 +18,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning as L
-import torch
 
 from attnreg import pruning
-from attnreg.callbacks.base import TermCallback
+from attnreg.callbacks.base import MethodCallback, TermCallback
 from attnreg.methods.gating import HeadGating as Gating
 from attnreg.methods.gating import PruningRound
+from attnreg.methods.importance import HeadImportance as Importance
 from attnreg.mixin import require_mixin
 
 __all__ = ["HeadGating", "HeadImportance", "PruningRound"]
@@ -110,34 +109,15 @@ class HeadGating(TermCallback):
             module.remove_attnreg_term(self.method.name)
 
 
-class HeadImportance(L.Callback):
+class HeadImportance(MethodCallback):
     """Scores heads at the end of training (Michel et al. 2019) and, given `metric_fn`, prunes
-    iteratively until the metric falls below `stop_ratio` of its start.
-
-    `dataloader` yields dict batches for `model(**batch)` (with labels, or pass `loss_fn`).
-    After fit: `scores` (per layer, current head positions) and `curve` (`attnreg.pruning.PruningStep`s).
+    iteratively (`attnreg.methods.HeadImportance`). After fit: `scores` and `curve`.
 
     Example:
         >>> importance = attnreg.HeadImportance(dev_loader, metric_fn=lambda m: accuracy(m, dev), fraction=0.1)
     """
 
-    def __init__(
-        self,
-        dataloader: Iterable[Any],
-        loss_fn: pruning.LossFunction | None = None,
-        metric_fn: Callable[[torch.nn.Module], float] | None = None,
-        fraction: float = 0.1,
-        stop_ratio: float = 0.9,
-    ) -> None:
-        self.dataloader, self.loss_fn, self.metric_fn = dataloader, loss_fn, metric_fn
-        self.fraction, self.stop_ratio = fraction, stop_ratio
-        self.scores: dict[int, torch.Tensor] = {}
-        self.curve: list[pruning.PruningStep] = []
+    method_class = Importance
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        model = require_mixin(pl_module, self).attnreg_model
-        self.scores = pruning.head_importance(model, self.dataloader, self.loss_fn)
-        if self.metric_fn is not None:
-            self.curve = pruning.iterative_pruning(
-                model, self.dataloader, self.metric_fn, self.fraction, self.stop_ratio, self.loss_fn
-            )
+        self.method.at_end()

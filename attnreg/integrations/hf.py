@@ -12,7 +12,10 @@ It takes the same method objects as the Lightning callbacks (`attnreg.methods`):
 - `FreezeLayers`: layer groups frozen for the first epochs, at every epoch start;
 - `HeadGating`: gates are created with the trainer (before its optimizer), the penalty is a loss term,
   the Lagrangian's dual step runs once per optimizer step, and heads are removed when its `Removal`
-  says (the end of training by default), the optimizer's state sliced along.
+  says (the end of training by default), the optimizer's state sliced along;
+- `Monitor`: every `every_n_steps` optimizer steps, on the step's last training batch, its metrics go to
+  the Trainer's log, and `on_collapse="stop"` stops training;
+- `HeadImportance`: scores (and iterative pruning) at the end of training.
 
 Progress is `state.global_step / state.max_steps` (`attnreg.progress`). Checkpoints carry the methods'
 state in `attnreg_state.json`, read back by `train(resume_from_checkpoint=...)`. Batch keys the methods
@@ -44,7 +47,17 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from attnreg.hub import attach
-from attnreg.methods import DropoutSchedule, FreezeLayers, HeadGating, LayerwiseLR, LossTerm, Method, PriorKL
+from attnreg.methods import (
+    DropoutSchedule,
+    FreezeLayers,
+    HeadGating,
+    HeadImportance,
+    LayerwiseLR,
+    LossTerm,
+    Method,
+    Monitor,
+    PriorKL,
+)
 
 STATE_FILE = "attnreg_state.json"
 _KEPT_COLUMNS = ("sentence", "label", "labels")  # what SyntaxCollator reads from dataset items
@@ -70,6 +83,7 @@ class AttnRegTrainer(Trainer):
         self._learning_rate = learning_rates[0] if learning_rates else None
         self._batch_keys = {method.prior_key for method in methods if isinstance(method, PriorKL)}
         self._figures: dict[str, list[float]] = {}
+        self._last_inputs: dict[str, Any] = {}
         self._bind_methods()  # gates must exist before the optimizer is built
         self.add_callback(_MethodSteps(self))
 
@@ -91,6 +105,8 @@ class AttnRegTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         model_inputs = {key: value for key, value in inputs.items() if key not in self._batch_keys}
+        if model.training:
+            self._last_inputs = model_inputs  # what a Monitor checks at the end of the step
         terms = [method for method in self._terms if not getattr(method, "pruned", False)]
         if not terms or not model.training:
             return super().compute_loss(model, model_inputs, return_outputs, num_items_in_batch)
@@ -182,38 +198,42 @@ class _MethodSteps(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = self.trainer.optimizer
-        for method in self.trainer.attnreg_methods:
-            if isinstance(method, FreezeLayers):
-                method.check_optimizer([getattr(optimizer, "optimizer", optimizer)])
+        for freeze in self._of_type(FreezeLayers):
+            freeze.check_optimizer([getattr(optimizer, "optimizer", optimizer)])
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for method in self.trainer.attnreg_methods:
-            if isinstance(method, FreezeLayers):
-                method.before_epoch(round(state.epoch))
+        for freeze in self._of_type(FreezeLayers):
+            freeze.before_epoch(round(state.epoch))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for method in self.trainer.attnreg_methods:
-            if isinstance(method, DropoutSchedule):
-                self.trainer._record(method.before_step(state.global_step))
+        for dropout in self._of_type(DropoutSchedule):
+            self.trainer._record(dropout.before_step(state.global_step))
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for gating in self._gatings():
+        for gating in self._of_type(HeadGating):
             gating.dual_step()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for gating in self._gatings():
+        for gating in self._of_type(HeadGating):
             self._prune_if_due(gating, gating.due(state.global_step), state.global_step)
+        for monitor in self._of_type(Monitor):
+            if monitor.due(state.global_step):
+                check = monitor.check(self.trainer._last_inputs, state.global_step)
+                self.trainer.log(dict(check.metrics))  # the Trainer adds "epoch" to what it logs
+                control.should_training_stop |= check.stop
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for gating in self._gatings():
+        for gating in self._of_type(HeadGating):
             self._prune_if_due(gating, gating.due(state.global_step, round(state.epoch)), state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for gating in self._gatings():
+        for gating in self._of_type(HeadGating):
             self._prune_if_due(gating, gating.due(state.global_step, end=True), state.global_step)
+        for importance in self._of_type(HeadImportance):
+            importance.at_end()
 
-    def _gatings(self) -> list[HeadGating]:
-        return [method for method in self.trainer.attnreg_methods if isinstance(method, HeadGating)]
+    def _of_type(self, kind: type[Method]) -> list[Any]:
+        return [method for method in self.trainer.attnreg_methods if isinstance(method, kind)]
 
     def _prune_if_due(self, gating: HeadGating, due: tuple[int | None, bool] | None, step: int) -> None:
         if due is None:

@@ -11,6 +11,8 @@ Example:
 from attnreg.methods.base import Method, free_name
 from attnreg.methods.dropout import DropoutSchedule, hidden_dropout_modules
 from attnreg.methods.gating import HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
+from attnreg.methods.importance import HeadImportance
+from attnreg.methods.monitor import EntropyCollapseWarning, Monitor, MonitorCheck
 from attnreg.methods.optim import FreezeLayers, LayerwiseLR
 from attnreg.methods.regularizers import AttentionPenalty, Entropy, LossTerm, PriorKL
 
@@ -18,13 +20,17 @@ __all__ = [
     "AttentionPenalty",
     "DropoutSchedule",
     "Entropy",
+    "EntropyCollapseWarning",
     "FreezeLayers",
     "HardConcreteGates",
     "HeadGating",
+    "HeadImportance",
     "L1Gates",
     "LayerwiseLR",
     "LossTerm",
     "Method",
+    "Monitor",
+    "MonitorCheck",
     "PriorKL",
     "PruningRound",
     "Removal",
