@@ -177,21 +177,39 @@ def attention_probabilities(
     `attention_mask` is transformers' SDPA mask: boolean (True = attend), additive float, or None,
     in which case a causal module with more than one query attends to keys at or before its position.
     """
+    scores = attention_scores(query, key, attention_mask, scaling, temperature, causal)
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+
+
+def attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    temperature: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Masked attention logits `[B, H, T, S]` (masked keys at the dtype's minimum): what the softmax of
+    `attention_probabilities` takes. Arguments as there."""
     key = repeat_kv(key, query.shape[1] // key.shape[1])
-    # In-place from here to the softmax: none of these ops needs its input for backward, and every
-    # attention-sized allocation costs time at long sequence lengths.
+    # In-place from here on: none of these ops needs its input for backward, and every attention-sized
+    # allocation costs time at long sequence lengths.
     scores = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if temperature is not None:
         scores.div_(temperature.to(scores.dtype).reshape(-1, 1, 1))
     if attention_mask is None and causal and query.shape[2] > 1:
-        q_len, kv_len = query.shape[2], key.shape[2]
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+        attention_mask = causal_mask(query.shape[2], key.shape[2], query.device)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores.masked_fill_(attention_mask.logical_not(), torch.finfo(scores.dtype).min)
         else:
             scores.add_(attention_mask)
-    return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return scores
+
+
+def causal_mask(queries: int, keys: int, device: torch.device | None = None) -> torch.Tensor:
+    """`[T, S]` True where query i may attend to key j: j <= i + S - T (the queries are the last T)."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
 class AttentionHub:

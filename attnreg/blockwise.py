@@ -1,0 +1,124 @@
+"""Attention losses from queries and keys, in blocks of queries, without keeping the attention.
+
+The losses need row statistics of the scores `s_ij`, never the whole matrix at once (LSE = logsumexp over
+the admissible keys of row i):
+
+- `-log p_i,parent = LSE_i - s_i,parent` (KL to a one-hot parent);
+- `-sum_j r_j log p_ij = LSE_i - sum_j r_j s_ij` (cross-entropy to a dense prior row `r`);
+- `H_i = LSE_i - sum_j p_ij s_ij` (entropy).
+
+Each function computes the scores of one block of `block_size` queries at a time, for the heads given,
+reduces them to one number per row, and lets the block go: under autograd every block runs in
+`torch.utils.checkpoint`, so backward recomputes it and nothing of size `[T, S]` is saved (only the
+block's inputs: its queries, the keys, the mask rows). Values and gradients equal the materialized path
+(`hub.attention_probabilities` then `attnreg.losses`); `tests/test_blockwise.py` compares them.
+`query` and `key` are what transformers hands an attention function (`[B, H, T, d]`, `[B, H_kv, S, d]`,
+after RoPE; grouped-query keys not yet repeated), and `attention_mask` its SDPA mask (boolean, additive
+float, or None with `causal`).
+
+Example:
+    >>> entropy = row_entropy(query, key, mask, scaling=d ** -0.5, heads=[0, 3])       # [B, 2, T] nats
+    >>> nll = parent_nll(query, key, mask, parents, scaling=d ** -0.5, heads=[5])    # [B, 1, T]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from attnreg.hub import attention_scores
+
+BLOCK_SIZE = 128
+
+
+def row_entropy(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    heads: Sequence[int] | None = None,
+    temperature: torch.Tensor | None = None,
+    causal: bool = False,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """Entropy (nats) of every attention row of `heads` (None = all): `[B, len(heads), T]`, in float32."""
+
+    def entropy(scores: torch.Tensor, rows: slice) -> torch.Tensor:
+        log_p = torch.log_softmax(scores.float(), dim=-1).clamp_min(_LOG_FLOOR)  # finite where p = 0
+        return -(log_p.exp() * log_p).sum(-1)
+
+    return _blockwise(entropy, query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+
+
+def parent_nll(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    parents: torch.Tensor,
+    scaling: float,
+    heads: Sequence[int] | None = None,
+    temperature: torch.Tensor | None = None,
+    causal: bool = False,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """`-log p[parent]` of every row of `heads`: `[B, len(heads), T]` in float32; `parents` `[B, T]` holds
+    key indices, -1 for rows left out (which read 0). Clamped as `attnreg.losses.prior_kl` clamps."""
+    index = parents.long().clamp_min(0)
+
+    def nll(scores: torch.Tensor, rows: slice) -> torch.Tensor:
+        log_p = torch.log_softmax(scores.float(), dim=-1)
+        chosen = index[:, None, rows, None].expand(-1, log_p.shape[1], -1, 1)
+        picked = log_p.gather(-1, chosen).squeeze(-1).clamp_min(_LOG_TINY)
+        return -picked * (parents[:, None, rows] >= 0)
+
+    return _blockwise(nll, query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+
+
+def _blockwise(
+    reduce: Callable[[torch.Tensor, slice], torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    heads: Sequence[int] | None,
+    temperature: torch.Tensor | None,
+    causal: bool,
+    block_size: int,
+) -> torch.Tensor:
+    """`reduce(scores of a block, its rows)` over blocks of queries, concatenated along the rows."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if heads is not None:
+        heads = list(heads)
+        groups = query.shape[1] // key.shape[1]
+        key = key[:, [head // groups for head in heads]]  # each chosen query head's key/value head
+        query = query[:, heads]
+        temperature = None if temperature is None else temperature[heads]
+    queries, keys = query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1 and heads is not None:
+        attention_mask = attention_mask[:, heads]
+
+    def block(start: int) -> torch.Tensor:
+        rows = slice(start, min(start + block_size, queries))
+        if attention_mask is not None:
+            mask = attention_mask[..., rows, :] if attention_mask.shape[-2] > 1 else attention_mask
+        elif causal and queries > 1:  # the block's rows only, built again in backward: no [T, S] mask kept
+            positions = torch.arange(rows.start, rows.stop, device=query.device)[:, None] + (keys - queries)
+            mask = torch.arange(keys, device=query.device)[None, :] <= positions
+        else:
+            mask = None
+        scores = attention_scores(query[:, :, rows], key, mask, scaling, temperature)
+        return reduce(scores, rows)
+
+    recompute = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    parts = [
+        checkpoint(block, start, use_reentrant=False) if recompute else block(start)
+        for start in range(0, queries, block_size)
+    ]
+    return torch.cat(parts, dim=-1)
+
+
+_LOG_TINY = float(torch.tensor(1e-12).log())
+_LOG_FLOOR = -1.0e4  # exp() of it is 0 in float32: masked keys add 0, with finite gradients
