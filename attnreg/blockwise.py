@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from attnreg.hub import attention_scores
+from attnreg.hub import LayerInputs, attention_scores
+from attnreg.losses import HeadReduction, causal_prior, check_prior, kl_from_cross_entropy, mean_row_entropy
 
 BLOCK_SIZE = 128
 
@@ -65,15 +66,100 @@ def parent_nll(
 ) -> torch.Tensor:
     """`-log p[parent]` of every row of `heads`: `[B, len(heads), T]` in float32; `parents` `[B, T]` holds
     key indices, -1 for rows left out (which read 0). Clamped as `attnreg.losses.prior_kl` clamps."""
-    index = parents.long().clamp_min(0)
+    return prior_cross_entropy(query, key, attention_mask, parents, scaling, heads, temperature, causal, block_size)
 
-    def nll(scores: torch.Tensor, rows: slice) -> torch.Tensor:
-        log_p = torch.log_softmax(scores.float(), dim=-1)
+
+def prior_cross_entropy(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    prior: torch.Tensor,
+    scaling: float,
+    heads: Sequence[int] | None = None,
+    temperature: torch.Tensor | None = None,
+    causal: bool = False,
+    block_size: int = BLOCK_SIZE,
+    mean_attention: bool = False,
+) -> torch.Tensor:
+    """`-sum_j r_ij log p_ij` for every row: `[B, len(heads), T]` (`[B, 1, T]` with `mean_attention`, where
+    `p` is the heads' mean attention), float32. `prior`: key indices `[B, T]` (-1: row left out, reads 0)
+    or dense rows `[B, T, S]`. `log p` is clamped at 1e-12, as `attnreg.losses.prior_kl` clamps."""
+    dense = prior.dim() == 3
+    index = None if dense else prior.long().clamp_min(0)
+
+    def cross_entropy(scores: torch.Tensor, rows: slice) -> torch.Tensor:
+        if mean_attention:
+            log_p = torch.softmax(scores.float(), dim=-1).mean(1, keepdim=True).clamp_min(_TINY).log()
+        else:
+            log_p = torch.log_softmax(scores.float(), dim=-1).clamp_min(_LOG_TINY)
+        if dense:
+            return -(prior[:, None, rows].float() * log_p).sum(-1)
         chosen = index[:, None, rows, None].expand(-1, log_p.shape[1], -1, 1)
-        picked = log_p.gather(-1, chosen).squeeze(-1).clamp_min(_LOG_TINY)
-        return -picked * (parents[:, None, rows] >= 0)
+        return -log_p.gather(-1, chosen).squeeze(-1) * (prior[:, None, rows] >= 0)
 
-    return _blockwise(nll, query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+    return _blockwise(cross_entropy, query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+
+
+def attention_entropy(
+    inputs: LayerInputs,
+    attention_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    normalize: bool = False,
+    heads: Sequence[int] | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """`attnreg.losses.attention_entropy` of the layer `inputs` describe (`hub.capture(..., inputs=True)`),
+    for `heads` (None = all): the mean entropy per head `[len(heads)]`; `attention_mask` is the batch's 2D
+    padding mask `[B, S]`.
+
+    Example:
+        >>> with hub.capture(layers=[2], inputs=True) as record:
+        ...     model(**batch)
+        >>> attention_entropy(record[2], batch["attention_mask"], normalize=True)     # [H]
+    """
+    entropy = row_entropy(
+        inputs.query,
+        inputs.key,
+        inputs.attention_mask,
+        inputs.scaling,
+        heads,
+        causal=inputs.causal,
+        block_size=block_size,
+    )
+    return mean_row_entropy(entropy, attention_mask, inputs.key.shape[2], causal, normalize)
+
+
+def prior_kl(
+    inputs: LayerInputs,
+    prior: torch.Tensor,
+    heads: Sequence[int] | None = None,
+    reduction: HeadReduction = "mean_heads",
+    causal: bool = False,
+    block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
+    """`attnreg.losses.prior_kl` (same arguments and checks) of the layer `inputs` describe.
+
+    Example:
+        >>> prior_kl(record[4], batch["attnreg_prior"], heads=[9])
+    """
+    if reduction not in ("mean_heads", "mean_attention"):
+        raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
+    query, key = inputs.query, inputs.key
+    check_prior(prior, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), heads)
+    if causal:
+        prior = causal_prior(prior, key.shape[2])
+    cross_entropy = prior_cross_entropy(
+        query,
+        key,
+        inputs.attention_mask,
+        prior,
+        inputs.scaling,
+        heads,
+        causal=inputs.causal,
+        block_size=block_size,
+        mean_attention=reduction == "mean_attention",
+    )
+    return kl_from_cross_entropy(cross_entropy, prior)
 
 
 def _blockwise(
@@ -120,5 +206,6 @@ def _blockwise(
     return torch.cat(parts, dim=-1)
 
 
-_LOG_TINY = float(torch.tensor(1e-12).log())
+_TINY = 1e-12
+_LOG_TINY = float(torch.tensor(_TINY).log())
 _LOG_FLOOR = -1.0e4  # exp() of it is 0 in float32: masked keys add 0, with finite gradients

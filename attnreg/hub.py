@@ -73,17 +73,36 @@ class _LayerState:
         return bool(getattr(self.block, "gradient_checkpointing", False)) and self.block.training
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """What one layer's attention function received, for losses that recompute what they need in blocks
+    (`attnreg.blockwise`): `query` `[B, H, T, d]` (divided by the hub's temperature), `key` `[B, H_kv, S, d]`
+    (after RoPE, grouped-query heads not repeated), the SDPA `attention_mask`, `scaling`, `causal`."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    attention_mask: torch.Tensor | None
+    scaling: float
+    causal: bool
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.query.requires_grad or self.key.requires_grad
+
+
 class AttentionRecord(Mapping[int, torch.Tensor]):
-    """Attention probabilities `[B, H, T, S]` recorded by `AttentionHub.capture`, keyed by layer.
+    """Attention probabilities `[B, H, T, S]` recorded by `AttentionHub.capture`, keyed by layer (or,
+    with `inputs=True`, each layer's `LayerInputs`, while the layer itself runs on SDPA).
 
     `record[layer]` is the latest forward pass; `record.calls(layer)` lists every pass in the block
     (generation makes one per token).
     """
 
-    def __init__(self, layers: tuple[int, ...], require_grad: bool = False) -> None:
+    def __init__(self, layers: tuple[int, ...], require_grad: bool = False, inputs: bool = False) -> None:
         self.layers = layers
         self.require_grad = require_grad
-        self._calls: dict[int, list[torch.Tensor]] = {}
+        self.inputs = inputs
+        self._calls: dict[int, list[torch.Tensor | LayerInputs]] = {}
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         if layer not in self._calls:
@@ -102,7 +121,7 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
     def calls(self, layer: int) -> list[torch.Tensor]:
         return list(self._calls.get(layer, []))
 
-    def _add(self, state: _LayerState, probs: torch.Tensor) -> None:
+    def _add(self, state: _LayerState, probs: torch.Tensor | LayerInputs) -> None:
         if not probs.requires_grad:
             reentrant = state.will_be_replayed() and not torch.is_grad_enabled()
             if reentrant or self.require_grad:
@@ -144,7 +163,15 @@ def attention_forward(
         scaling = query.shape[-1] ** -0.5
     temperature = getattr(module, TEMPERATURE, None)
     replay = state.replaying_capture()
-    if not state.records and not replay:
+    probs_records = [record for record in state.records if not record.inputs]
+    if state.records and len(probs_records) < len(state.records):
+        causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+        scaled = query if temperature is None else query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
+        inputs = LayerInputs(scaled, key, attention_mask, scaling, causal)
+        for record in state.records:
+            if record.inputs:
+                record._add(state, inputs)
+    if not probs_records and not replay:
         if temperature is not None:
             query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
         return sdpa_attention_forward(
@@ -155,7 +182,7 @@ def attention_forward(
     if replay:
         state.pending_recomputes -= 1
     else:
-        for record in state.records:
+        for record in probs_records:
             record._add(state, probs)
         if torch.is_grad_enabled() and state.will_be_replayed():
             state.pending_recomputes += 1
@@ -267,17 +294,19 @@ class AttentionHub:
     # -- capture ------------------------------------------------------------------------------
     @contextmanager
     def capture(
-        self, layers: int | Iterable[int] | None = None, require_grad: bool = False
+        self, layers: int | Iterable[int] | None = None, require_grad: bool = False, inputs: bool = False
     ) -> Iterator[AttentionRecord]:
         """Record attention probabilities of `layers` (all for None) during the block's forward passes.
 
         The probabilities keep their autograd graph, so a loss can be built on them. With
         `require_grad=True` a forward without autograd raises; by default only the silent case does
-        (reentrant gradient checkpointing, whose first forward runs under no_grad).
+        (reentrant gradient checkpointing, whose first forward runs under no_grad). With `inputs=True`
+        the layers stay on SDPA and the record holds what they received (`LayerInputs`), for the
+        blockwise losses of `attnreg.blockwise`, which keep nothing of size `[T, S]`.
         """
         self._check_active()
         chosen = self.resolve_layers(layers)
-        record = AttentionRecord(chosen, require_grad)
+        record = AttentionRecord(chosen, require_grad, inputs)
         states = [self._state(layer) for layer in chosen]
         for state in states:
             state.records.append(record)

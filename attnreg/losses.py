@@ -82,9 +82,21 @@ def attention_entropy(
     and sequences of different lengths compare (1 = uniform, 0 = one key); rows with a single
     admissible key are left out then.
     """
-    entropy = row_entropy(probs)  # [B, H, T]
-    rows, counts = admissible_keys(attention_mask, probs.shape, causal)
-    rows, counts = rows.to(probs.device), counts.to(probs.device)
+    return mean_row_entropy(row_entropy(probs), attention_mask, probs.shape[-1], causal, normalize)
+
+
+def mean_row_entropy(
+    entropy: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    keys: int,
+    causal: bool = False,
+    normalize: bool = False,
+) -> torch.Tensor:
+    """`attention_entropy` from row entropies `[B, H, T]` (of `keys` keys each), as `attnreg.blockwise`
+    computes them: the mean per head `[H]` over the real query rows."""
+    batch, heads, queries = entropy.shape
+    rows, counts = admissible_keys(attention_mask, torch.Size((batch, heads, queries, keys)), causal)
+    rows, counts = rows.to(entropy.device), counts.to(entropy.device)
     if normalize:
         rows = rows & (counts > 1)
         entropy = entropy / counts.clamp_min(2).log()
@@ -235,16 +247,24 @@ def prior_kl(
     if reduction == "mean_attention":
         probs = probs.mean(1, keepdim=True)
     if prior.dim() == 2:
-        rows = prior >= 0
         index = prior.long().clamp_min(0)[:, None, :, None].expand(-1, probs.shape[1], -1, 1)
         attended = _full_precision(probs.gather(-1, index).squeeze(-1))  # [B, H, T]
-        per_row = -attended.clamp_min(_TINY).log()
+        cross_entropy = -attended.clamp_min(_TINY).log()
+    else:
+        log_p = _full_precision(probs).clamp_min(_TINY).log()
+        cross_entropy = -(_full_precision(prior)[:, None] * log_p).sum(-1)
+    return kl_from_cross_entropy(cross_entropy, prior)
+
+
+def kl_from_cross_entropy(cross_entropy: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """`prior_kl` from the rows' cross-entropies `-sum_j r_ij log p_ij` `[B, H, T]` (as `attnreg.blockwise`
+    computes them) and the checked, causally restricted `prior`: the mean KL over rows with prior mass."""
+    if prior.dim() == 2:
+        rows, per_row = prior >= 0, cross_entropy
     else:
         prior = _full_precision(prior)
         rows = prior.sum(-1) > 0
-        log_p = _full_precision(probs).clamp_min(_TINY).log()
-        prior_entropy = torch.special.entr(prior).sum(-1)  # 0 log 0 = 0
-        per_row = -(prior[:, None] * log_p).sum(-1) - prior_entropy[:, None]
+        per_row = cross_entropy - torch.special.entr(prior).sum(-1)[:, None]  # 0 log 0 = 0
     weights = rows[:, None, :].to(per_row.dtype).expand_as(per_row)
     return (per_row * weights).sum() / weights.sum().clamp_min(1)
 

@@ -35,11 +35,13 @@ TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
 
 @dataclass(frozen=True)
 class AttentionTerm:
-    """A loss term: `fn(probs, batch)` returns a scalar; `layers` are captured for it (None = all)."""
+    """A loss term: `fn(record, batch)` returns a scalar; `layers` are captured for it (None = all), their
+    probabilities, or with `inputs` what they received (`hub.capture(..., inputs=True)`)."""
 
     name: str
     fn: TermFunction
     layers: tuple[int, ...] | None
+    inputs: bool = False
 
 
 class AttnRegMixin:
@@ -73,15 +75,18 @@ class AttnRegMixin:
     def attnreg_terms(self) -> dict[str, AttentionTerm]:
         return self.__dict__.setdefault("_attnreg_terms", {})
 
-    def add_attnreg_term(self, name: str, fn: TermFunction, layers: int | Iterable[int] | None = ()) -> None:
+    def add_attnreg_term(
+        self, name: str, fn: TermFunction, layers: int | Iterable[int] | None = (), inputs: bool = False
+    ) -> None:
         """Add `fn(probs, batch)` to every training loss, logged as `attnreg/<name>`.
 
-        `layers` are the attention layers `fn` reads from `probs` (None = all, () = none).
+        `layers` are the attention layers `fn` reads from `probs` (None = all, () = none); with `inputs`,
+        `fn` reads their `LayerInputs` instead (the layers stay on SDPA; see `attnreg.blockwise`).
         """
         if name in self.attnreg_terms:
             raise ValueError(f"an attnreg term named {name!r} is already registered on {type(self).__name__}")
         chosen = None if layers is None else self.attnreg_hub.resolve_layers(layers)
-        self.attnreg_terms[name] = AttentionTerm(name, fn, chosen)
+        self.attnreg_terms[name] = AttentionTerm(name, fn, chosen, inputs)
 
     def remove_attnreg_term(self, name: str) -> None:
         self.attnreg_terms.pop(name, None)
@@ -95,10 +100,10 @@ class AttnRegMixin:
         step = self.__dict__.get("_attnreg_step")
         if step is None:
             raise RuntimeError("attnreg_loss() can only be called inside training_step (after the forward pass)")
-        probs, batch = step
+        records, batch = step
         total = None
         for term in self.attnreg_terms.values():
-            value = term.fn(probs, batch)
+            value = term.fn(records[term.inputs], batch)
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
                 raise TypeError(f"attnreg term {term.name!r} must return a scalar tensor, got {value!r}")
             self.log(f"attnreg/{term.name}", value.detach(), sync_dist=_world_size(self) > 1)
@@ -116,9 +121,12 @@ class AttnRegMixin:
         restore_pruning(self.attnreg_model, checkpoint)
         super().on_load_checkpoint(checkpoint)
 
-    def _capture_layers(self) -> tuple[int, ...] | None:
+    def _capture_layers(self, inputs: bool) -> tuple[int, ...] | None:
+        """The layers the terms read probabilities of (`inputs=False`) or inputs of (`inputs=True`)."""
         layers: set[int] = set()
         for term in self.attnreg_terms.values():
+            if term.inputs != inputs:
+                continue
             if term.layers is None:
                 return None
             layers.update(term.layers)
@@ -134,10 +142,13 @@ def _add_terms_to(training_step: Callable) -> Callable:
         if not self.attnreg_terms:
             return training_step(self, batch, *args, **kwargs)
         hub = self.attnreg_hub
-        layers = self._capture_layers()
         self.__dict__["_attnreg_consumed"] = False
-        with hub.capture(layers, require_grad=self.training and torch.is_grad_enabled()) as probs:
-            self.__dict__["_attnreg_step"] = (probs, batch)
+        require_grad = self.training and torch.is_grad_enabled()
+        with (
+            hub.capture(self._capture_layers(False), require_grad) as probs,
+            hub.capture(self._capture_layers(True), require_grad, inputs=True) as inputs,
+        ):
+            self.__dict__["_attnreg_step"] = ({False: probs, True: inputs}, batch)
             try:
                 output = training_step(self, batch, *args, **kwargs)
                 if self.__dict__["_attnreg_consumed"]:

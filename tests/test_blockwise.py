@@ -4,10 +4,13 @@ size [T, S] for backward."""
 
 import pytest
 import torch
+from conftest import FAMILIES, main_output, padded_batch
 
+import attnreg
 from attnreg.blockwise import parent_nll, row_entropy
 from attnreg.hub import attention_probabilities
 from attnreg.losses import row_entropy as materialized_entropy
+from attnreg.tiny import tiny_model
 
 B, H, KV, T, D = 2, 4, 2, 37, 8
 
@@ -98,3 +101,74 @@ def test_nothing_of_size_t_by_s_is_saved(length):
     inputs_size = (query.numel() + key.numel()) * 4
     assert fast <= inputs_size  # the inputs (the blocks of queries are views of them), no probabilities or mask
     assert eager >= 4 * length * length * 4  # the probabilities [1, 4, T, T] in float32
+
+
+# -- through real models of every family, as the adapters run the methods -------------------------------------------
+def run_terms(model, batch, blockwise, gate=False, temperature=False):
+    """The summed terms of Entropy (all layers) and PriorKL (index and dense priors) and the gradients."""
+    from attnreg import methods
+
+    hub = attnreg.attach(model)
+    if gate:
+        with torch.no_grad():
+            hub.gate(0).copy_(torch.tensor([1.0, 0.5, 0.0, 2.0])[: hub.layers[0].num_heads])
+    if temperature:
+        hub.set_temperature(torch.linspace(0.5, 2.0, hub.layers[1].num_heads), layers=[1])
+    terms = [
+        methods.Entropy(weight=1.0, mode="max", blockwise=blockwise),
+        methods.PriorKL(weight=1.0, heads=[1], blockwise=blockwise, name="index"),
+        methods.PriorKL(
+            weight=1.0, layers=[1], head_reduction="mean_attention", prior_key="dense", blockwise=blockwise
+        ),
+    ]
+    taken: set[str] = set()
+    for term in terms:
+        term.bind(model, taken)
+        term.start(10)
+        taken.add(term.name)
+    model.zero_grad()
+    with hub.capture(terms[0].layers, inputs=blockwise) as record:
+        output = model(**{k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")})
+    values = [term.term(record, batch, step=0)[0] for term in terms]
+    (sum(values) + main_output(output).float().pow(2).mean()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return torch.stack(values).detach(), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_gets_the_materialized_values_and_gradients(family):
+    import copy
+
+    model = tiny_model(family).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    batch = padded_batch()
+    length = batch["input_ids"].shape[1]
+    batch["attnreg_prior"] = (torch.arange(length) - 1).expand(3, length).masked_fill(batch["attention_mask"] == 0, -1)
+    dense = torch.rand(3, length, length, generator=torch.Generator().manual_seed(0)) * batch["attention_mask"][:, None]
+    batch["dense"] = dense / dense.sum(-1, keepdim=True)  # rows over the real keys
+    twin = copy.deepcopy(model)
+    fast_values, fast_grads = run_terms(model, batch, blockwise=True, gate=True, temperature=True)
+    slow_values, slow_grads = run_terms(twin, batch, blockwise=False, gate=True, temperature=True)
+    torch.testing.assert_close(fast_values, slow_values, rtol=1e-5, atol=1e-5)
+    assert fast_grads.keys() == slow_grads.keys()
+    for name, grad in fast_grads.items():
+        torch.testing.assert_close(grad, slow_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_terms_see_attention_before_dropout():
+    from attnreg import methods
+
+    values = []
+    for rate in (0.0, 0.5):
+        model = tiny_model("bert").train()
+        hub = attnreg.attach(model)
+        hub.set_attention_dropout(rate)
+        entropy = methods.Entropy(weight=1.0, layers=[0])
+        entropy.bind(model)
+        entropy.start(10)
+        with hub.capture([0], inputs=True) as record:
+            model(**padded_batch())
+        values.append(entropy.term(record, padded_batch(), 0)[0])
+    torch.testing.assert_close(values[0], values[1])  # layer 0's inputs do not depend on dropout

@@ -13,6 +13,7 @@ LOWER = [
     "families.py",
     "hub.py",
     "losses.py",
+    "blockwise.py",
     "schedules.py",
     "progress.py",
     "optim.py",

@@ -95,7 +95,7 @@ class TermCallback(MethodCallback):
         if self.__dict__.get("_module") is module:  # set up again: a second fit, or validate after fit
             module.remove_attnreg_term(self.method.name)
         self.bind(trainer, module)
-        module.add_attnreg_term(self.method.name, self.term, layers=self.method.layers)
+        module.add_attnreg_term(self.method.name, self.term, self.method.layers, getattr(self.method, "inputs", False))
         self._module = module
 
     def current_weight(self) -> float:

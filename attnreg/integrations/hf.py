@@ -111,11 +111,15 @@ class AttnRegTrainer(Trainer):
         if not terms or not model.training:
             return super().compute_loss(model, model_inputs, return_outputs, num_items_in_batch)
         hub = attach(self.accelerator.unwrap_model(model))
-        layers = _capture_layers(terms)
-        with hub.capture(layers, require_grad=torch.is_grad_enabled()) as probs:
+        require_grad = torch.is_grad_enabled()
+        with (
+            hub.capture(_capture_layers(terms, False), require_grad) as probs,
+            hub.capture(_capture_layers(terms, True), require_grad, inputs=True) as layer_inputs,
+        ):
             loss, outputs = super().compute_loss(model, model_inputs, True, num_items_in_batch)
         for method in terms:
-            value, figures = method.term(probs, inputs, self.state.global_step)
+            record = layer_inputs if getattr(method, "inputs", False) else probs
+            value, figures = method.term(record, inputs, self.state.global_step)
             loss = loss + value
             self._record({method.name: value.detach(), **figures})
         return (loss, outputs) if return_outputs else loss
@@ -249,8 +253,10 @@ class _MethodSteps(TrainerCallback):
             self.trainer.save_method_state(Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
 
 
-def _capture_layers(terms: Sequence[LossTerm | HeadGating]) -> tuple[int, ...]:
+def _capture_layers(terms: Sequence[LossTerm | HeadGating], inputs: bool) -> tuple[int, ...]:
+    """The layers the terms read probabilities of (`inputs=False`) or inputs of (`inputs=True`)."""
     layers: set[int] = set()
     for term in terms:
-        layers.update(term.layers)
+        if getattr(term, "inputs", False) == inputs:
+            layers.update(term.layers)
     return tuple(sorted(layers))

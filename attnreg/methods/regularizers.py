@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnreg import blockwise
 from attnreg.hub import AttentionRecord
 from attnreg.losses import EntropyMode, HeadReduction, attention_entropy, entropy_penalty, prior_kl
 from attnreg.methods.base import Method
@@ -38,8 +39,11 @@ class LossTerm(Method):
     """A weighted loss term on the captured attention of `layers` (None = all), for subclasses that
     define `value`. `weight` is a number or a schedule of training progress (`attnreg.schedules`);
     `heads`: the same heads in every chosen layer, or a mapping `{layer: heads}` (whose keys are then
-    the layers), by original number.
+    the layers), by original number. `inputs`: whether the term reads each layer's `LayerInputs`
+    (`hub.capture(..., inputs=True)`: the layer stays on SDPA) rather than its probabilities.
     """
+
+    inputs = False
 
     def __init__(
         self,
@@ -162,7 +166,9 @@ class Entropy(LossTerm):
     `mode="min"` sharpens, `"max"` flattens (EAR), `"target"` keeps each head (or each layer's head
     mean, `per="layer"`) inside `target=(lo, hi)`. Entropies are normalized by log(admissible keys)
     unless `normalize=False`; `heads` limits the loss to some heads of every chosen layer. Logs the
-    mean entropy of each layer as `<name>/layer<l>`.
+    mean entropy of each layer as `<name>/layer<l>`. With `blockwise` (the default) the layers stay on
+    SDPA and the entropies are recomputed in blocks (`attnreg.blockwise`: the same values and gradients,
+    nothing of size `[T, S]` kept); `blockwise=False` materializes the attention instead.
 
     Example:
         >>> Entropy(mode="target", target=(0.3, 0.8), layers=[4, 5], weight=0.1)
@@ -180,11 +186,13 @@ class Entropy(LossTerm):
         normalize: bool = True,
         per: str = "head",
         name: str | None = None,
+        blockwise: bool = True,
     ) -> None:
         target = None if target is None else tuple(target)
         entropy_penalty(torch.zeros(1), mode, target, per)  # validate the options now, not at step one
         super().__init__(name, layers, weight, heads)
         self.mode, self.target, self.per, self.normalize = mode, target, per, normalize
+        self.inputs = blockwise
 
     def identity(self) -> dict[str, Any]:
         return {**super().identity(), "mode": self.mode, "target": self.target}
@@ -194,6 +202,9 @@ class Entropy(LossTerm):
         active = self.active_heads()
         entropies = []
         for layer, heads in active.items():
+            if self.inputs:
+                entropies.append(blockwise.attention_entropy(probs[layer], mask, self.causal, self.normalize, heads))
+                continue
             entropy = attention_entropy(probs[layer], mask, causal=self.causal, normalize=self.normalize)
             entropies.append(entropy if heads is None else entropy[heads])
         if not entropies:
@@ -211,6 +222,7 @@ class PriorKL(LossTerm):
     (-1 = row left out) or dense rows `[B, T, S]`, aligned with the model's tokens, as
     `attnreg.syntax.SyntaxCollator` builds them. For decoders the prior is restricted to earlier keys.
     `head_reduction`: "mean_heads" (mean of per-head KLs) or "mean_attention" (KL of the head mean).
+    `blockwise` as for `Entropy`.
 
     Example:
         >>> PriorKL(weight=1.0, layers=[0, 1], heads=[0])
@@ -228,11 +240,13 @@ class PriorKL(LossTerm):
         head_reduction: HeadReduction = "mean_heads",
         prior_key: str = PRIOR_KEY,
         name: str | None = None,
+        blockwise: bool = True,
     ) -> None:
         if head_reduction not in ("mean_heads", "mean_attention"):
             raise ValueError(f"head_reduction must be 'mean_heads' or 'mean_attention', got {head_reduction!r}")
         super().__init__(name, layers, weight, heads)
         self.head_reduction, self.prior_key = head_reduction, prior_key
+        self.inputs = blockwise
 
     def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if not isinstance(batch, dict) or self.prior_key not in batch:
@@ -245,8 +259,9 @@ class PriorKL(LossTerm):
         active = self.active_heads()
         if not active:
             return torch.zeros((), device=next(self.model.parameters()).device), {}
+        kl = blockwise.prior_kl if self.inputs else prior_kl
         losses = torch.stack(
-            [prior_kl(probs[layer], prior, heads, self.head_reduction, self.causal) for layer, heads in active.items()]
+            [kl(probs[layer], prior, heads, self.head_reduction, self.causal) for layer, heads in active.items()]
         )
         return losses.mean(), self.layer_figures(active, losses)
 
