@@ -44,13 +44,48 @@ def row_entropy(
     causal: bool = False,
     block_size: int = BLOCK_SIZE,
 ) -> torch.Tensor:
-    """Entropy (nats) of every attention row of `heads` (None = all): `[B, len(heads), T]`, in float32."""
+    """Entropy (nats) of every attention row of `heads` (None = all): `[B, len(heads), T]`, in float32.
 
-    def entropy(scores: torch.Tensor, rows: slice) -> torch.Tensor:
-        log_p = torch.log_softmax(scores.float(), dim=-1).clamp_min(_LOG_FLOOR)  # finite where p = 0
-        return -(log_p.exp() * log_p).sum(-1)
+    Under autograd each block runs in `_BlockEntropy`, whose backward recomputes the block's scores and
+    writes the gradient out, `dH/ds_ij = -p_ij (s_ij - sum_k p_ik s_ik)`, instead of replaying autograd
+    through the softmax."""
+    return _blockwise(_entropy, query, key, attention_mask, scaling, heads, temperature, causal, block_size, True)
 
-    return _blockwise(entropy, query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+
+def _entropy(scores: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+    log_p = torch.log_softmax(scores.float(), dim=-1).clamp_min(_LOG_FLOOR)  # finite where p = 0
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+class _BlockEntropy(torch.autograd.Function):
+    """Row entropies of one block of queries that save only the block's inputs (views) for backward."""
+
+    @staticmethod
+    def forward(ctx, query, key, mask, scaling, causal_rows):
+        ctx.save_for_backward(query, key, mask)
+        ctx.scaling, ctx.causal_rows = scaling, causal_rows
+        return _entropy(attention_scores(query, key, _block_mask(mask, causal_rows, query, key), scaling))
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, mask = ctx.saved_tensors
+        scores = attention_scores(query, key, _block_mask(mask, ctx.causal_rows, query, key), ctx.scaling).float()
+        p = torch.softmax(scores, dim=-1)
+        mean = (p * scores).sum(-1, keepdim=True)
+        dscores = (p * (scores - mean)).mul_(grad.unsqueeze(-1).neg()).mul_(ctx.scaling).to(query.dtype)
+        return dscores @ key, dscores.transpose(-1, -2) @ query, None, None, None
+
+
+def _block_mask(
+    mask: torch.Tensor | None, causal_rows: tuple[int, int] | None, query: torch.Tensor, key: torch.Tensor
+) -> torch.Tensor | None:
+    """The block's mask: its rows of the layer's mask, or, for `causal_rows=(first row, key offset)`, a
+    causal mask built for the block's rows only (so no `[T, S]` mask is kept)."""
+    if causal_rows is None:
+        return mask
+    first, offset = causal_rows
+    positions = torch.arange(first, first + query.shape[2], device=query.device)[:, None] + offset
+    return torch.arange(key.shape[2], device=query.device)[None, :] <= positions
 
 
 def parent_nll(
@@ -172,8 +207,10 @@ def _blockwise(
     temperature: torch.Tensor | None,
     causal: bool,
     block_size: int,
+    entropy: bool = False,
 ) -> torch.Tensor:
-    """`reduce(scores of a block, its rows)` over blocks of queries, concatenated along the rows."""
+    """`reduce(scores of a block, its rows)` over blocks of queries, concatenated along the rows (for
+    `entropy`, through `_BlockEntropy` under autograd)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if heads is not None:
@@ -182,27 +219,36 @@ def _blockwise(
         key = key[:, [head // groups for head in heads]]  # each chosen query head's key/value head
         query = query[:, heads]
         temperature = None if temperature is None else temperature[heads]
+    elif query.shape[1] != key.shape[1]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # as repeat_kv: one per query head
+    if temperature is not None:
+        query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
     queries, keys = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1 and heads is not None:
         attention_mask = attention_mask[:, heads]
 
-    def block(start: int) -> torch.Tensor:
+    def inputs_of(start: int) -> tuple[slice, torch.Tensor | None, tuple[int, int] | None]:
         rows = slice(start, min(start + block_size, queries))
         if attention_mask is not None:
-            mask = attention_mask[..., rows, :] if attention_mask.shape[-2] > 1 else attention_mask
-        elif causal and queries > 1:  # the block's rows only, built again in backward: no [T, S] mask kept
-            positions = torch.arange(rows.start, rows.stop, device=query.device)[:, None] + (keys - queries)
-            mask = torch.arange(keys, device=query.device)[None, :] <= positions
-        else:
-            mask = None
-        scores = attention_scores(query[:, :, rows], key, mask, scaling, temperature)
-        return reduce(scores, rows)
+            return rows, (attention_mask[..., rows, :] if attention_mask.shape[-2] > 1 else attention_mask), None
+        return rows, None, ((start, keys - queries) if causal and queries > 1 else None)
+
+    def block(start: int) -> torch.Tensor:
+        rows, mask, causal_rows = inputs_of(start)
+        block_query = query[:, :, rows]
+        mask = _block_mask(mask, causal_rows, block_query, key)
+        return reduce(attention_scores(block_query, key, mask, scaling), rows)
 
     recompute = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
-    parts = [
-        checkpoint(block, start, use_reentrant=False) if recompute else block(start)
-        for start in range(0, queries, block_size)
-    ]
+    parts = []
+    for start in range(0, queries, block_size):
+        if not recompute:
+            parts.append(block(start))
+        elif entropy:
+            rows, mask, causal_rows = inputs_of(start)
+            parts.append(_BlockEntropy.apply(query[:, :, rows], key, mask, scaling, causal_rows))
+        else:
+            parts.append(checkpoint(block, start, use_reentrant=False))
     return torch.cat(parts, dim=-1)
 
 
