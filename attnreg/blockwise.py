@@ -70,6 +70,7 @@ class _BlockEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, mask = ctx.saved_tensors
         scores = attention_scores(query, key, _block_mask(mask, ctx.causal_rows, query, key), ctx.scaling).float()
+        scores = scores - scores.amax(-1, keepdim=True)  # finite sums even in rows whose keys are all masked
         p = torch.softmax(scores, dim=-1)
         mean = (p * scores).sum(-1, keepdim=True)
         dscores = (p * (scores - mean)).mul_(grad.unsqueeze(-1).neg()).mul_(ctx.scaling).to(query.dtype)

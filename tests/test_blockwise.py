@@ -172,3 +172,16 @@ def test_the_terms_see_attention_before_dropout():
             model(**padded_batch())
         values.append(entropy.term(record, padded_batch(), 0)[0])
     torch.testing.assert_close(values[0], values[1])  # layer 0's inputs do not depend on dropout
+
+
+def test_rows_whose_keys_are_all_masked_have_finite_gradients():
+    """Padded query rows of a causal model with left-over padding see no key at all."""
+    query, key = inputs()
+    mask = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    mask[1, :, :, :] = False  # a sequence with no real token
+    entropy = row_entropy(query, key, mask, D**-0.5, block_size=8)
+    entropy.sum().backward()
+    assert query.grad.isfinite().all() and key.grad.isfinite().all()
+    slow_query, slow_key = inputs()
+    materialized_entropy(attention_probabilities(slow_query, slow_key, mask, D**-0.5)).sum().backward()
+    torch.testing.assert_close(query.grad, slow_query.grad, rtol=1e-5, atol=1e-5)
