@@ -18,7 +18,7 @@ float, or None with `causal`).
 
 Example:
     >>> entropy = row_entropy(query, key, mask, scaling=d ** -0.5, heads=[0, 3])       # [B, 2, T] nats
-    >>> nll = parent_nll(query, key, mask, parents, scaling=d ** -0.5, heads=[5])    # [B, 1, T]
+    >>> nll = prior_cross_entropy(query, key, mask, parents, scaling=d ** -0.5, heads=[5])   # [B, 1, T]
 """
 
 from __future__ import annotations
@@ -87,22 +87,6 @@ def _block_mask(
     first, offset = causal_rows
     positions = torch.arange(first, first + query.shape[2], device=query.device)[:, None] + offset
     return torch.arange(key.shape[2], device=query.device)[None, :] <= positions
-
-
-def parent_nll(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    parents: torch.Tensor,
-    scaling: float,
-    heads: Sequence[int] | None = None,
-    temperature: torch.Tensor | None = None,
-    causal: bool = False,
-    block_size: int = BLOCK_SIZE,
-) -> torch.Tensor:
-    """`-log p[parent]` of every row of `heads`: `[B, len(heads), T]` in float32; `parents` `[B, T]` holds
-    key indices, -1 for rows left out (which read 0). Clamped as `attnreg.losses.prior_kl` clamps."""
-    return prior_cross_entropy(query, key, attention_mask, parents, scaling, heads, temperature, causal, block_size)
 
 
 def prior_cross_entropy(

@@ -7,7 +7,7 @@ import torch
 from conftest import FAMILIES, main_output, padded_batch
 
 import attnreg
-from attnreg.blockwise import parent_nll, row_entropy
+from attnreg.blockwise import prior_cross_entropy, row_entropy
 from attnreg.hub import attention_probabilities
 from attnreg.losses import row_entropy as materialized_entropy
 from attnreg.tiny import tiny_model
@@ -58,7 +58,7 @@ def test_entropy_and_parent_nll_equal_the_materialized_path(mask_kind, causal, h
         query, key = inputs()
         if fast:
             entropy = row_entropy(query, key, mask, D**-0.5, heads, temperature, causal, block_size)
-            nll = parent_nll(query, key, mask, parents, D**-0.5, heads, temperature, causal, block_size)
+            nll = prior_cross_entropy(query, key, mask, parents, D**-0.5, heads, temperature, causal, block_size)
         else:
             probs = materialized(query, key, mask, causal, heads, temperature)
             entropy = materialized_entropy(probs)
