@@ -23,12 +23,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from attnreg.hub import LayerInputs, attention_scores
+from attnreg.hub import LayerInputs
 from attnreg.losses import HeadReduction, causal_prior, check_prior, kl_from_cross_entropy, mean_row_entropy
 
 BLOCK_SIZE = 128
@@ -46,47 +48,16 @@ def row_entropy(
 ) -> torch.Tensor:
     """Entropy (nats) of every attention row of `heads` (None = all): `[B, len(heads), T]`, in float32.
 
-    Under autograd each block runs in `_BlockEntropy`, whose backward recomputes the block's scores and
-    writes the gradient out, `dH/ds_ij = -p_ij (s_ij - sum_k p_ik s_ik)`, instead of replaying autograd
-    through the softmax."""
-    return _blockwise(_entropy, query, key, attention_mask, scaling, heads, temperature, causal, block_size, True)
+    Each block runs in `_BlockEntropy`, whose backward recomputes the block's scores and writes the
+    gradient out, `dH/ds_ij = -p_ij (log p_ij + H_i)`, from the row statistics kept by forward.
 
-
-def _entropy(scores: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
-    log_p = torch.log_softmax(scores.float(), dim=-1).clamp_min(_LOG_FLOOR)  # finite where p = 0
-    return -(log_p.exp() * log_p).sum(-1)
-
-
-class _BlockEntropy(torch.autograd.Function):
-    """Row entropies of one block of queries that save only the block's inputs (views) for backward."""
-
-    @staticmethod
-    def forward(ctx, query, key, mask, scaling, causal_rows):
-        ctx.save_for_backward(query, key, mask)
-        ctx.scaling, ctx.causal_rows = scaling, causal_rows
-        return _entropy(attention_scores(query, key, _block_mask(mask, causal_rows, query, key), scaling))
-
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, mask = ctx.saved_tensors
-        scores = attention_scores(query, key, _block_mask(mask, ctx.causal_rows, query, key), ctx.scaling).float()
-        scores = scores - scores.amax(-1, keepdim=True)  # finite sums even in rows whose keys are all masked
-        p = torch.softmax(scores, dim=-1)
-        mean = (p * scores).sum(-1, keepdim=True)
-        dscores = (p * (scores - mean)).mul_(grad.unsqueeze(-1).neg()).mul_(ctx.scaling).to(query.dtype)
-        return dscores @ key, dscores.transpose(-1, -2) @ query, None, None, None
-
-
-def _block_mask(
-    mask: torch.Tensor | None, causal_rows: tuple[int, int] | None, query: torch.Tensor, key: torch.Tensor
-) -> torch.Tensor | None:
-    """The block's mask: its rows of the layer's mask, or, for `causal_rows=(first row, key offset)`, a
-    causal mask built for the block's rows only (so no `[T, S]` mask is kept)."""
-    if causal_rows is None:
-        return mask
-    first, offset = causal_rows
-    positions = torch.arange(first, first + query.shape[2], device=query.device)[:, None] + offset
-    return torch.arange(key.shape[2], device=query.device)[None, :] <= positions
+    Example:
+        >>> query, key = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+        >>> row_entropy(query, key, None, scaling=0.5, causal=True)[0, 0, 0].item()   # one key: 0 nats
+        0.0
+    """
+    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+    return torch.cat([_BlockEntropy.apply(*block[:5]) for block in blocks], dim=-1)
 
 
 def prior_cross_entropy(
@@ -103,21 +74,40 @@ def prior_cross_entropy(
 ) -> torch.Tensor:
     """`-sum_j r_ij log p_ij` for every row: `[B, len(heads), T]` (`[B, 1, T]` with `mean_attention`, where
     `p` is the heads' mean attention), float32. `prior`: key indices `[B, T]` (-1: row left out, reads 0)
-    or dense rows `[B, T, S]`. `log p` is clamped at 1e-12, as `attnreg.losses.prior_kl` clamps."""
-    dense = prior.dim() == 3
-    index = None if dense else prior.long().clamp_min(0)
+    or dense rows `[B, T, S]`. `log p` is clamped at 1e-12, as `attnreg.losses.prior_kl` clamps.
 
-    def cross_entropy(scores: torch.Tensor, rows: slice) -> torch.Tensor:
+    Key indices with `mean_heads` (the LISA case) run in `_BlockParentNLL`, which keeps only row
+    statistics for backward; dense rows and `mean_attention` recompute each block under
+    `torch.utils.checkpoint`.
+
+    Example:
+        >>> query, key = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+        >>> parents = torch.tensor([[0, 0, 1, -1, 2]])                  # -1: row left out
+        >>> prior_cross_entropy(query, key, None, parents, 0.5, heads=[1], causal=True)[0, 0, [0, 3]]
+        tensor([0., 0.])
+    """
+    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+    if prior.dim() == 2 and not mean_attention:
+        return torch.cat([_BlockParentNLL.apply(*block[:5], prior[:, block.rows]) for block in blocks], dim=-1)
+
+    def cross_entropy(block: _Block) -> torch.Tensor:
+        scores, rows, seen = _scores(*block[:4]), block.rows, block.key.shape[2]
         if mean_attention:
-            log_p = torch.softmax(scores.float(), dim=-1).mean(1, keepdim=True).clamp_min(_TINY).log()
+            log_p = torch.softmax(scores, dim=-1).mean(1, keepdim=True).clamp_min(_TINY).log()
         else:
-            log_p = torch.log_softmax(scores.float(), dim=-1).clamp_min(_LOG_TINY)
-        if dense:
-            return -(prior[:, None, rows].float() * log_p).sum(-1)
-        chosen = index[:, None, rows, None].expand(-1, log_p.shape[1], -1, 1)
-        return -log_p.gather(-1, chosen).squeeze(-1) * (prior[:, None, rows] >= 0)
+            log_p = torch.log_softmax(scores, dim=-1).clamp_min(_LOG_TINY)
+        if prior.dim() == 3:  # keys after a causal block read the clamp, as masked keys do
+            unseen = prior[:, None, rows, seen:].float().sum(-1) * -_LOG_TINY
+            return unseen - (prior[:, None, rows, :seen].float() * log_p).sum(-1)
+        parents = prior[:, None, rows]
+        chosen = log_p.gather(-1, parents.clamp(0, seen - 1)[..., None].expand(-1, log_p.shape[1], -1, 1))
+        return torch.where(parents >= seen, _LOG_TINY, chosen.squeeze(-1)).neg() * (parents >= 0)
 
-    return _blockwise(cross_entropy, query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+    recompute = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    parts = [
+        checkpoint(cross_entropy, block, use_reentrant=False) if recompute else cross_entropy(block) for block in blocks
+    ]
+    return torch.cat(parts, dim=-1)
 
 
 def attention_entropy(
@@ -182,8 +172,20 @@ def prior_kl(
     return kl_from_cross_entropy(cross_entropy, prior)
 
 
-def _blockwise(
-    reduce: Callable[[torch.Tensor, slice], torch.Tensor],
+class _Block(NamedTuple):
+    """One block of query rows: queries already scaled (`scaling / temperature`), the keys those rows
+    may see (a causal layer's block stops at its last row's key), their mask rows, for a causal layer
+    `(first row, key offset)` to mask later keys with, and the layer's key count S."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    mask: torch.Tensor | None
+    causal_rows: tuple[int, int] | None
+    keys: int
+    rows: slice
+
+
+def _blocks(
     query: torch.Tensor,
     key: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -192,10 +194,8 @@ def _blockwise(
     temperature: torch.Tensor | None,
     causal: bool,
     block_size: int,
-    entropy: bool = False,
-) -> torch.Tensor:
-    """`reduce(scores of a block, its rows)` over blocks of queries, concatenated along the rows (for
-    `entropy`, through `_BlockEntropy` under autograd)."""
+) -> list[_Block]:
+    """The chosen heads of a layer in blocks of `block_size` queries."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if heads is not None:
@@ -206,37 +206,117 @@ def _blockwise(
         temperature = None if temperature is None else temperature[heads]
     elif query.shape[1] != key.shape[1]:
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # as repeat_kv: one per query head
+    query = query * scaling
     if temperature is not None:
         query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
-    queries, keys = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1 and heads is not None:
         attention_mask = attention_mask[:, heads]
-
-    def inputs_of(start: int) -> tuple[slice, torch.Tensor | None, tuple[int, int] | None]:
-        rows = slice(start, min(start + block_size, queries))
-        if attention_mask is not None:
-            return rows, (attention_mask[..., rows, :] if attention_mask.shape[-2] > 1 else attention_mask), None
-        return rows, None, ((start, keys - queries) if causal and queries > 1 else None)
-
-    def block(start: int) -> torch.Tensor:
-        rows, mask, causal_rows = inputs_of(start)
-        block_query = query[:, :, rows]
-        mask = _block_mask(mask, causal_rows, block_query, key)
-        return reduce(attention_scores(block_query, key, mask, scaling), rows)
-
-    recompute = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
-    parts = []
+    queries, keys = query.shape[2], key.shape[2]
+    blocks = []
     for start in range(0, queries, block_size):
-        if not recompute:
-            parts.append(block(start))
-        elif entropy:
-            rows, mask, causal_rows = inputs_of(start)
-            parts.append(_BlockEntropy.apply(query[:, :, rows], key, mask, scaling, causal_rows))
-        else:
-            parts.append(checkpoint(block, start, use_reentrant=False))
-    return torch.cat(parts, dim=-1)
+        rows = slice(start, min(start + block_size, queries))
+        seen = min(keys, rows.stop + keys - queries) if causal else keys  # later keys are masked anyway
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[..., rows, :seen] if attention_mask.shape[-2] > 1 else attention_mask[..., :seen]
+        causal_rows = (start, keys - queries) if causal and queries > 1 else None
+        blocks.append(_Block(query[:, :, rows], key[:, :, :seen], mask, causal_rows, keys, rows))
+    return blocks
 
 
+def _scores(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, causal_rows: tuple[int, int] | None
+) -> torch.Tensor:
+    """A block's masked scores `[B, h, rows, S']` in float32, masked keys at float32's minimum: those
+    `mask` masks and, for a causal block, those after each row's own position."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float()
+    later = None
+    if causal_rows is not None:
+        first, offset = causal_rows
+        last_key = torch.arange(first, first + query.shape[2], device=query.device)[:, None] + offset
+        later = torch.arange(key.shape[2], device=query.device)[None, :] > last_key
+    if mask is not None and mask.dtype == torch.bool:
+        later = mask.logical_not() if later is None else mask.logical_not() | later
+    elif mask is not None:
+        scores.add_(mask).clamp_min_(_MIN)  # an additive -inf reads as the minimum: finite sums
+    if later is not None:
+        scores.masked_fill_(later, _MIN)
+    return scores
+
+
+def _row_statistics(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a block's scores (overwritten with `scores - top`): those shifted scores, their `exp`, the row
+    maximum `top` and `log_total = log sum_j exp(s_ij - top_i)` (both `[..., 1]`)."""
+    top = scores.amax(-1, keepdim=True)
+    shifted = scores.sub_(top)
+    weights = shifted.exp()
+    return shifted, weights, top, weights.sum(-1, keepdim=True).log_()
+
+
+def _log_probabilities(ctx, query, key, mask, top, log_total) -> torch.Tensor:
+    """A block's `log p`, recomputed in backward from its inputs and the row statistics forward kept."""
+    return _scores(query, key, mask, ctx.causal_rows).sub_(top).sub_(log_total)
+
+
+def _key_gradients(dscores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dscores = dscores.to(query.dtype)
+    return dscores @ key, dscores.transpose(-1, -2) @ query
+
+
+class _BlockEntropy(torch.autograd.Function):
+    """Row entropies of one block, keeping for backward only its inputs (views) and two numbers per row.
+
+    `H_i = log_total_i - sum_j p_ij (s_ij - top_i)`; backward: `dH/ds_ij = -p_ij (log p_ij + H_i)`. A row
+    whose keys are all masked reads `log S` (uniform over the layer's S keys) and gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, query, key, mask, causal_rows, keys):
+        shifted, weights, top, log_total = _row_statistics(_scores(query, key, mask, causal_rows))
+        entropy = log_total - weights.mul_(shifted).sum(-1, keepdim=True) / log_total.exp()
+        entropy = torch.where(top == _MIN, math.log(keys), entropy)
+        ctx.save_for_backward(query, key, mask, top, log_total, entropy)
+        ctx.causal_rows = causal_rows
+        return entropy.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, mask, top, log_total, entropy = ctx.saved_tensors
+        log_p = _log_probabilities(ctx, query, key, mask, top, log_total)
+        grad = grad.unsqueeze(-1).neg().masked_fill(top == _MIN, 0.0)
+        dscores = log_p.exp().mul_(log_p.add_(entropy)).mul_(grad)
+        return *_key_gradients(dscores, query, key), None, None, None
+
+
+class _BlockParentNLL(torch.autograd.Function):
+    """`-log p_i,parent` (clamped at `-log 1e-12`) of one block; `parents` `[B, rows]`, -1 for rows left
+    out (they read 0). Keeps only the inputs and two numbers per row; backward: `ds_ij = p_ij - [j = parent]`
+    on rows that are counted and not clamped."""
+
+    @staticmethod
+    def forward(ctx, query, key, mask, causal_rows, keys, parents):
+        shifted, weights, top, log_total = _row_statistics(_scores(query, key, mask, causal_rows))
+        seen = shifted.shape[-1]
+        index = parents.clamp(0, seen - 1)[:, None, :, None].expand(-1, shifted.shape[1], -1, 1)
+        nll = log_total - shifted.gather(-1, index)  # -log p of the parent, if it is among the keys seen
+        unseen = (parents >= seen)[:, None, :, None]  # after the block's last key: masked, p = 0
+        clamped = unseen | (nll > -_LOG_TINY)
+        counted = (parents >= 0)[:, None, :, None]
+        live = counted & ~clamped & (top > _MIN)
+        nll = torch.where(clamped, -_LOG_TINY, nll)
+        nll = torch.where(top == _MIN, math.log(keys), nll) * counted  # all keys masked: uniform over S
+        ctx.save_for_backward(query, key, mask, top, log_total, index, live)
+        ctx.causal_rows = causal_rows
+        return nll.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, mask, top, log_total, index, live = ctx.saved_tensors
+        grad = grad.unsqueeze(-1) * live
+        dscores = _log_probabilities(ctx, query, key, mask, top, log_total).exp_().mul_(grad)
+        dscores.scatter_add_(-1, index, -grad)
+        return *_key_gradients(dscores, query, key), None, None, None, None
+
+
+_MIN = torch.finfo(torch.float32).min
 _TINY = 1e-12
-_LOG_TINY = float(torch.tensor(_TINY).log())
-_LOG_FLOOR = -1.0e4  # exp() of it is 0 in float32: masked keys add 0, with finite gradients
+_LOG_TINY = math.log(_TINY)

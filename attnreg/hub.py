@@ -201,8 +201,8 @@ def attention_probabilities(
 ) -> torch.Tensor:
     """Softmax attention `[B, H, T, S]` as eager attention computes it, before dropout.
 
-    `attention_mask` is transformers' SDPA mask: boolean (True = attend), additive float, or None,
-    in which case a causal module with more than one query attends to keys at or before its position.
+    `attention_mask` is transformers' SDPA mask: boolean (True = attend), additive float, or None;
+    with `causal` and more than one query, keys after each query's position are masked as well.
     """
     scores = attention_scores(query, key, attention_mask, scaling, temperature, causal)
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -224,13 +224,14 @@ def attention_scores(
     scores = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if temperature is not None:
         scores.div_(temperature.to(scores.dtype).reshape(-1, 1, 1))
-    if attention_mask is None and causal and query.shape[2] > 1:
-        attention_mask = causal_mask(query.shape[2], key.shape[2], query.device)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores.masked_fill_(attention_mask.logical_not(), torch.finfo(scores.dtype).min)
         else:
             scores.add_(attention_mask)
+    if causal and query.shape[2] > 1:  # on top of a mask too: keys after the query stay masked
+        later = causal_mask(query.shape[2], key.shape[2], query.device).logical_not()
+        scores.masked_fill_(later, torch.finfo(scores.dtype).min)
     return scores
 
 

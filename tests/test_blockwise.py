@@ -99,7 +99,8 @@ def test_nothing_of_size_t_by_s_is_saved(length):
     fast = saved_bytes(lambda: row_entropy(query, key, None, 0.25, causal=True, block_size=32))
     eager = saved_bytes(lambda: materialized_entropy(attention_probabilities(query, key, None, 0.25, causal=True)))
     inputs_size = (query.numel() + key.numel()) * 4
-    assert fast <= inputs_size  # the inputs (the blocks of queries are views of them), no probabilities or mask
+    row_statistics = 3 * 4 * length * 4  # three float32 numbers per row and head
+    assert fast <= inputs_size + row_statistics  # no probabilities, no mask
     assert eager >= 4 * length * length * 4  # the probabilities [1, 4, T, T] in float32
 
 
@@ -174,14 +175,29 @@ def test_the_terms_see_attention_before_dropout():
     torch.testing.assert_close(values[0], values[1])  # layer 0's inputs do not depend on dropout
 
 
-def test_rows_whose_keys_are_all_masked_have_finite_gradients():
-    """Padded query rows of a causal model with left-over padding see no key at all."""
-    query, key = inputs()
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_whose_keys_are_all_masked_read_as_the_materialized_path(causal):
+    """Padded query rows of a causal model with left-over padding see no key at all: their entropy and
+    parent NLL read as uniform attention over all S keys (not only the keys a causal block computes), and
+    no gradient comes from them."""
     mask = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
     mask[1, :, :, :] = False  # a sequence with no real token
-    entropy = row_entropy(query, key, mask, D**-0.5, block_size=8)
-    entropy.sum().backward()
-    assert query.grad.isfinite().all() and key.grad.isfinite().all()
-    slow_query, slow_key = inputs()
-    materialized_entropy(attention_probabilities(slow_query, slow_key, mask, D**-0.5)).sum().backward()
-    torch.testing.assert_close(query.grad, slow_query.grad, rtol=1e-5, atol=1e-5)
+    parents = torch.randint(-1, T, (B, T), generator=torch.Generator().manual_seed(3))
+
+    def both(fast: bool):
+        query, key = inputs()
+        if fast:
+            entropy = row_entropy(query, key, mask, D**-0.5, causal=causal, block_size=8)
+            nll = prior_cross_entropy(query, key, mask, parents, D**-0.5, causal=causal, block_size=8)
+        else:
+            probs = attention_probabilities(query, key, mask, D**-0.5, causal=causal)
+            entropy = materialized_entropy(probs)
+            index = parents.clamp_min(0)[:, None, :, None].expand(-1, H, -1, 1)
+            nll = -probs.gather(-1, index).squeeze(-1).clamp_min(1e-12).log() * (parents[:, None] >= 0)
+        (entropy + nll).sum().backward()
+        return entropy.detach(), nll.detach(), query.grad, key.grad
+
+    fast, slow = both(True), both(False)
+    assert all(tensor.isfinite().all() for tensor in fast)
+    for fast_tensor, slow_tensor in zip(fast, slow, strict=True):
+        torch.testing.assert_close(fast_tensor, slow_tensor, rtol=1e-5, atol=1e-5)
