@@ -57,7 +57,7 @@ def row_entropy(
         0.0
     """
     blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size)
-    return torch.cat([_BlockEntropy.apply(*block[:5]) for block in blocks], dim=-1)
+    return torch.cat([_BlockEntropy.apply(*block[:6]) for block in blocks], dim=-1)
 
 
 def prior_cross_entropy(
@@ -88,10 +88,11 @@ def prior_cross_entropy(
     """
     blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size)
     if prior.dim() == 2 and not mean_attention:
-        return torch.cat([_BlockParentNLL.apply(*block[:5], prior[:, block.rows]) for block in blocks], dim=-1)
+        return torch.cat([_BlockParentNLL.apply(*block[:6], prior[:, block.rows]) for block in blocks], dim=-1)
 
     def cross_entropy(block: _Block) -> torch.Tensor:
-        scores, rows, seen = _scores(*block[:4]), block.rows, block.key.shape[2]
+        scores = _scores(block.query, block.key, block.mask, block.causal_rows, block.scaling)
+        rows, seen = block.rows, block.key.shape[2]
         if mean_attention:
             log_p = torch.softmax(scores, dim=-1).mean(1, keepdim=True).clamp_min(_TINY).log()
         else:
@@ -173,15 +174,16 @@ def prior_kl(
 
 
 class _Block(NamedTuple):
-    """One block of query rows: queries already scaled (`scaling / temperature`), the keys those rows
-    may see (a causal layer's block stops at its last row's key), their mask rows, for a causal layer
-    `(first row, key offset)` to mask later keys with, and the layer's key count S."""
+    """One block of query rows (divided by the temperature, if any), the keys those rows may see (a causal
+    layer's block stops at its last row's key), their mask rows, for a causal layer `(first row, key
+    offset)` to mask later keys with, the layer's key count S and the scaling."""
 
     query: torch.Tensor
     key: torch.Tensor
     mask: torch.Tensor | None
     causal_rows: tuple[int, int] | None
     keys: int
+    scaling: float
     rows: slice
 
 
@@ -206,7 +208,6 @@ def _blocks(
         temperature = None if temperature is None else temperature[heads]
     elif query.shape[1] != key.shape[1]:
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # as repeat_kv: one per query head
-    query = query * scaling
     if temperature is not None:
         query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1 and heads is not None:
@@ -220,16 +221,20 @@ def _blocks(
         if attention_mask is not None:
             mask = attention_mask[..., rows, :seen] if attention_mask.shape[-2] > 1 else attention_mask[..., :seen]
         causal_rows = (start, keys - queries) if causal and queries > 1 else None
-        blocks.append(_Block(query[:, :, rows], key[:, :, :seen], mask, causal_rows, keys, rows))
+        blocks.append(_Block(query[:, :, rows], key[:, :, :seen], mask, causal_rows, keys, scaling, rows))
     return blocks
 
 
 def _scores(
-    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, causal_rows: tuple[int, int] | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal_rows: tuple[int, int] | None,
+    scaling: float,
 ) -> torch.Tensor:
     """A block's masked scores `[B, h, rows, S']` in float32, masked keys at float32's minimum: those
     `mask` masks and, for a causal block, those after each row's own position."""
-    scores = torch.matmul(query, key.transpose(-1, -2)).float()
+    scores = torch.matmul(query * scaling, key.transpose(-1, -2)).float()  # scaling the small operand
     later = None
     if causal_rows is not None:
         first, offset = causal_rows
@@ -253,48 +258,55 @@ def _row_statistics(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return shifted, weights, top, weights.sum(-1, keepdim=True).log_()
 
 
-def _log_probabilities(ctx, query, key, mask, top, log_total) -> torch.Tensor:
-    """A block's `log p`, recomputed in backward from its inputs and the row statistics forward kept."""
-    return _scores(query, key, mask, ctx.causal_rows).sub_(top).sub_(log_total)
+def _log_probabilities(ctx, query, key, mask, log_total) -> torch.Tensor:
+    """A block's `log p`, recomputed in backward from its inputs and the rows' log-sum-exp forward kept."""
+    causal_rows, _, scaling = ctx.block
+    return _scores(query, key, mask, causal_rows, scaling).sub_(log_total)
 
 
-def _key_gradients(dscores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dscores = dscores.to(query.dtype)
-    return dscores @ key, dscores.transpose(-1, -2) @ query
+def _key_gradients(ctx, dscores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The gradients of `query` and `key` from those of the block's scores (the scaling applied to the
+    small products), and None for the other arguments."""
+    dscores, scaling = dscores.to(query.dtype), ctx.block[-1]
+    dquery, dkey = (dscores @ key).mul_(scaling), (dscores.transpose(-1, -2) @ query).mul_(scaling)
+    return dquery, dkey, *[None] * (ctx.arguments - 2)
 
 
 class _BlockEntropy(torch.autograd.Function):
-    """Row entropies of one block, keeping for backward only its inputs (views) and two numbers per row.
+    """Row entropies of one block, keeping for backward only its inputs (views) and two numbers per row
+    (the log-sum-exp and the entropy).
 
     `H_i = log_total_i - sum_j p_ij (s_ij - top_i)`; backward: `dH/ds_ij = -p_ij (log p_ij + H_i)`. A row
     whose keys are all masked reads `log S` (uniform over the layer's S keys) and gets no gradient."""
 
     @staticmethod
-    def forward(ctx, query, key, mask, causal_rows, keys):
-        shifted, weights, top, log_total = _row_statistics(_scores(query, key, mask, causal_rows))
+    def forward(ctx, query, key, mask, causal_rows, keys, scaling):
+        scores = _scores(query, key, mask, causal_rows, scaling)
+        shifted, weights, top, log_total = _row_statistics(scores)
         entropy = log_total - weights.mul_(shifted).sum(-1, keepdim=True) / log_total.exp()
         entropy = torch.where(top == _MIN, math.log(keys), entropy)
-        ctx.save_for_backward(query, key, mask, top, log_total, entropy)
-        ctx.causal_rows = causal_rows
+        ctx.save_for_backward(query, key, mask, top + log_total, entropy)
+        ctx.block, ctx.arguments = (causal_rows, keys, scaling), 6
         return entropy.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, mask, top, log_total, entropy = ctx.saved_tensors
-        log_p = _log_probabilities(ctx, query, key, mask, top, log_total)
-        grad = grad.unsqueeze(-1).neg().masked_fill(top == _MIN, 0.0)
+        query, key, mask, log_total, entropy = ctx.saved_tensors
+        log_p = _log_probabilities(ctx, query, key, mask, log_total)
+        grad = grad.unsqueeze(-1).neg().masked_fill(log_total == _MIN, 0.0)  # all keys masked: no gradient
         dscores = log_p.exp().mul_(log_p.add_(entropy)).mul_(grad)
-        return *_key_gradients(dscores, query, key), None, None, None
+        return _key_gradients(ctx, dscores, query, key)
 
 
 class _BlockParentNLL(torch.autograd.Function):
     """`-log p_i,parent` (clamped at `-log 1e-12`) of one block; `parents` `[B, rows]`, -1 for rows left
-    out (they read 0). Keeps only the inputs and two numbers per row; backward: `ds_ij = p_ij - [j = parent]`
-    on rows that are counted and not clamped."""
+    out (they read 0). Keeps only the inputs and, per row, the log-sum-exp, the parent and whether the row
+    gets a gradient; backward: `ds_ij = p_ij - [j = parent]` on rows counted and not clamped."""
 
     @staticmethod
-    def forward(ctx, query, key, mask, causal_rows, keys, parents):
-        shifted, weights, top, log_total = _row_statistics(_scores(query, key, mask, causal_rows))
+    def forward(ctx, query, key, mask, causal_rows, keys, scaling, parents):
+        scores = _scores(query, key, mask, causal_rows, scaling)
+        shifted, weights, top, log_total = _row_statistics(scores)
         seen = shifted.shape[-1]
         index = parents.clamp(0, seen - 1)[:, None, :, None].expand(-1, shifted.shape[1], -1, 1)
         nll = log_total - shifted.gather(-1, index)  # -log p of the parent, if it is among the keys seen
@@ -304,17 +316,17 @@ class _BlockParentNLL(torch.autograd.Function):
         live = counted & ~clamped & (top > _MIN)
         nll = torch.where(clamped, -_LOG_TINY, nll)
         nll = torch.where(top == _MIN, math.log(keys), nll) * counted  # all keys masked: uniform over S
-        ctx.save_for_backward(query, key, mask, top, log_total, index, live)
-        ctx.causal_rows = causal_rows
+        ctx.save_for_backward(query, key, mask, top + log_total, index, live)
+        ctx.block, ctx.arguments = (causal_rows, keys, scaling), 7
         return nll.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, mask, top, log_total, index, live = ctx.saved_tensors
+        query, key, mask, log_total, index, live = ctx.saved_tensors
         grad = grad.unsqueeze(-1) * live
-        dscores = _log_probabilities(ctx, query, key, mask, top, log_total).exp_().mul_(grad)
+        dscores = _log_probabilities(ctx, query, key, mask, log_total).exp_().mul_(grad)
         dscores.scatter_add_(-1, index, -grad)
-        return *_key_gradients(dscores, query, key), None, None, None, None
+        return _key_gradients(ctx, dscores, query, key)
 
 
 _MIN = torch.finfo(torch.float32).min
