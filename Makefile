@@ -1,10 +1,11 @@
 # Fresh machine: `make demo` or `make test` creates .venv (CPU torch 2.13.0 first, then attnreg).
+# `make docs` builds the documentation into site/ in strict mode (a broken reference fails).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnreg-installed
 
-.PHONY: demo test test-slow lint format bench
+.PHONY: demo test test-slow lint format bench docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,3 +34,6 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site

@@ -17,8 +17,14 @@ after RoPE; grouped-query keys not yet repeated), and `attention_mask` its SDPA 
 float, or None with `causal`).
 
 Example:
-    >>> entropy = row_entropy(query, key, mask, scaling=d ** -0.5, heads=[0, 3])       # [B, 2, T] nats
-    >>> nll = prior_cross_entropy(query, key, mask, parents, scaling=d ** -0.5, heads=[5])   # [B, 1, T]
+    >>> import torch
+    >>> query, key = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)     # 4 query heads, 2 key heads
+    >>> mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)                  # SDPA's boolean mask
+    >>> row_entropy(query, key, mask, scaling=8**-0.5, heads=[0, 3]).shape  # [B, 2, T] nats
+    torch.Size([2, 2, 6])
+    >>> parents = torch.tensor([[1, 0, 1, 1, 3, 3], [-1, 0, 0, 2, 2, 4]])
+    >>> prior_cross_entropy(query, key, mask, parents, scaling=8**-0.5, heads=[2]).shape
+    torch.Size([2, 1, 6])
 """
 
 from __future__ import annotations
@@ -124,9 +130,18 @@ def attention_entropy(
     padding mask `[B, S]`.
 
     Example:
-        >>> with hub.capture(layers=[2], inputs=True) as record:
-        ...     model(**batch)
-        >>> attention_entropy(record[2], batch["attention_mask"], normalize=True)     # [H]
+        >>> import attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2")                                    # 2 layers x 4 heads, causal
+        >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.ones(1, 4)}
+        >>> with attnreg.attach(model).capture(layers=[1], inputs=True) as record:
+        ...     _ = model(**batch)
+        >>> entropy = attention_entropy(record[1], batch["attention_mask"], causal=True, normalize=True)
+        >>> from attnreg import hub, losses                                # the materialized path agrees
+        >>> inputs = record[1]
+        >>> probs = hub.attention_probabilities(inputs.query, inputs.key, None, inputs.scaling, causal=True)
+        >>> torch.allclose(entropy, losses.attention_entropy(probs, causal=True, normalize=True), atol=1e-6)
+        True
     """
     entropy = row_entropy(
         inputs.query,
@@ -151,7 +166,14 @@ def prior_kl(
     """`attnreg.losses.prior_kl` (same arguments and checks) of the layer `inputs` describe.
 
     Example:
-        >>> prior_kl(record[4], batch["attnreg_prior"], heads=[9])
+        >>> import attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> with attnreg.attach(model).capture(layers=[0], inputs=True) as record:
+        ...     _ = model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+        >>> parents = torch.tensor([[1, -1, 1, 2]])                       # -1: the root, left out
+        >>> float(prior_kl(record[0], parents, heads=[2])) > 0
+        True
     """
     if reduction not in ("mean_heads", "mean_attention"):
         raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")

@@ -9,9 +9,11 @@ Besides the loaders, each module names its `eval_sets()` (accuracy in the run su
 `tree_sentences()` (held-out sentences with trees, for parent accuracy).
 
 Example:
-    >>> data = AgreementDataModule(train=500, seed=0)
+    >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0, batch_size=4)
     >>> data.setup("fit")
     >>> batch = next(iter(data.train_dataloader()))   # input_ids, attention_mask, labels, attnreg_prior
+    >>> sorted(batch), batch["input_ids"].shape
+    (['attention_mask', 'attnreg_prior', 'input_ids', 'labels'], torch.Size([4, 23]))
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ from attnreg.task import MASK, Grammar, build_tokenizer, make_splits, vocabulary
 
 
 class TextDataset(Dataset):
-    """Texts with labels; items are `{"text": str, "label": int}`."""
+    """Texts with labels; items are `{"text": str, "label": int}`.
+
+    Example:
+        >>> TextDataset(["a fine film", "dull"], [1, 0])[0]
+        {'text': 'a fine film', 'label': 1}
+    """
 
     def __init__(self, texts: Sequence[str], labels: Sequence[int]) -> None:
         if len(texts) != len(labels):
@@ -50,7 +57,15 @@ class TextDataset(Dataset):
 
 
 class TextCollator:
-    """Tokenizes a batch of `TextDataset` items (padding, truncation to `max_length`) and adds `labels`."""
+    """Tokenizes a batch of `TextDataset` items (padding, truncation to `max_length`) and adds `labels`.
+
+    Example:
+        >>> collate = TextCollator(build_tokenizer(["a", "b", "c"]), max_length=16)
+        >>> batch = collate(TextDataset(["a b", "c"], [1, 0]))
+        >>> batch["input_ids"], batch["labels"]
+        (tensor([[2, 5, 6, 3],
+                [2, 7, 3, 0]]), tensor([1, 0]))
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None = 128) -> None:
         self.tokenizer, self.max_length = tokenizer, max_length
@@ -69,7 +84,18 @@ class TextCollator:
 
 
 class ClassificationDataModule(L.LightningDataModule):
-    """Shared loaders and tokenizer handling; subclasses fill `self.datasets` in `setup`."""
+    """Shared loaders and tokenizer handling; subclasses fill `self.datasets` in `setup`.
+
+    Example:
+        >>> class Tiny(ClassificationDataModule):
+        ...     def setup(self, stage=None):
+        ...         self.datasets = {"train": TextDataset(["a b", "b"], [1, 0]), "val": TextDataset(["a"], [1])}
+        >>> data = Tiny(tokenizer=build_tokenizer(["a", "b"]), batch_size=2)
+        >>> data.setup(); sorted(next(iter(data.train_dataloader())))
+        ['attention_mask', 'input_ids', 'labels']
+        >>> data.tree_sentences() is None             # no trees: no parent accuracy for it
+        True
+    """
 
     num_labels = 2
 
@@ -150,8 +176,12 @@ class AgreementDataModule(ClassificationDataModule):
     only decides whether batches carry it (the default: yes).
 
     Example:
-        >>> data = AgreementDataModule(train=500, seed=0); data.setup("fit")
-        >>> data.eval_sets()        # {"val": ..., "test": ..., "hard": ...}
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0); data.setup("fit")
+        >>> sorted(data.eval_sets()), len(data.tree_sentences()), len(data.tokenizer)
+        (['hard', 'test', 'val'], 4, 58)
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, with_prior=False); data.setup("fit")
+        >>> sorted(next(iter(data.loader("val"))))    # no prior in the batches
+        ['attention_mask', 'input_ids', 'labels']
     """
 
     def __init__(
@@ -216,7 +246,18 @@ class TextDataModule(ClassificationDataModule):
     """Texts with labels read by `read(split)` for "train" and "val"; parsed with spaCy
     (`attnreg.syntax.parse_texts`, the `parse` extra) when `with_prior`. `limit_train` keeps the first n
     training texts (quick runs). Without a tokenizer, a word-level one is built from the training
-    texts: their `vocab_size` most frequent words."""
+    texts: their `vocab_size` most frequent words.
+
+    Example:
+        >>> class Reviews(TextDataModule):
+        ...     def read(self, split):
+        ...         return {"train": (["a fine film", "dull"], [1, 0]), "val": (["fine"], [1])}[split]
+        >>> data = Reviews(limit_train=1, batch_size=2)
+        >>> data.setup(); data.tokenizer.tokenize("a fine film")
+        ['a', 'fine', 'film']
+        >>> len(data.datasets["train"]), next(iter(data.val_dataloader()))["input_ids"]
+        (1, tensor([[2, 6, 3]]))
+    """
 
     def __init__(self, limit_train: int | None = None, vocab_size: int = 8000, **loader_options: Any) -> None:
         super().__init__(**loader_options)
@@ -246,10 +287,16 @@ class TextDataModule(ClassificationDataModule):
 
 
 class LocalGlueDataModule(TextDataModule):
-    """CoLA or SST-2 from a local directory (`attnreg.datasets`); validation is the dev set.
+    r"""CoLA or SST-2 from a local directory (`attnreg.datasets`); validation is the dev set.
 
     Example:
-        >>> LocalGlueDataModule("cola", "../shared/data/cola", with_prior=True)
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())                             # the SST-2 folder
+        >>> _ = (folder / "train.tsv").write_text("sentence\tlabel\na fine film\t1\ndull .\t0\n")
+        >>> _ = (folder / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
+        >>> data = LocalGlueDataModule("sst2", folder, batch_size=2)      # with_prior=True parses with spaCy
+        >>> data.setup(); sorted(data.datasets), data.tokenizer.tokenize("a dull film")
+        (['train', 'val'], ['a', 'dull', 'film'])
     """
 
     READERS = {"cola": read_cola, "sst2": read_sst2}
@@ -276,8 +323,10 @@ class HubDataModule(TextDataModule):
     builder such as "csv" with `data_files` for local files). Needs `pip install datasets`.
 
     Example:
-        >>> HubDataModule("glue", name="sst2", text_field="sentence")
-        >>> HubDataModule("csv", data_files={"train": "train.csv", "validation": "dev.csv"}, text_field="text")
+        >>> data = HubDataModule("glue", name="sst2", text_field="sentence")      # loads when set up
+        >>> data.splits, data.fields
+        ({'train': 'train', 'val': 'validation'}, ('sentence', 'label'))
+        >>> data = HubDataModule("csv", data_files={"train": "train.csv", "validation": "dev.csv"}, text_field="text")
     """
 
     def __init__(

@@ -1,9 +1,12 @@
-"""Readers for the sentence-classification sets used by benchmarks and the training app: CoLA and SST-2
+r"""Readers for the sentence-classification sets used by benchmarks and the training app: CoLA and SST-2
 in their original local formats (no download).
 
 Example:
-    >>> texts, labels = read_cola("../shared/data/cola", "train")
-    >>> texts, labels = read_sst2("../shared/data/sst2", "dev")
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())                   # the SST-2 folder, as GLUE ships it
+    >>> _ = (folder / "dev.tsv").write_text("sentence\tlabel\na fine film \t1\ndull .\t0\n")
+    >>> read_sst2(folder, "dev")                           # read_cola(folder, "train") for CoLA
+    (['a fine film', 'dull .'], [1, 0])
 """
 
 from __future__ import annotations
@@ -16,9 +19,16 @@ SST2_FILES = {"train": "train.tsv", "dev": "dev.tsv"}
 
 
 def read_cola(directory: str | Path, split: str = "train") -> tuple[list[str], list[int]]:
-    """CoLA 1.1 raw TSV (source, label, original mark, sentence): texts and 0/1 acceptability labels.
+    r"""CoLA 1.1 raw TSV (source, label, original mark, sentence): texts and 0/1 acceptability labels.
 
     `directory` is the CoLA folder (holding `raw/`) or the `raw/` folder itself.
+
+    Example:
+        >>> import tempfile
+        >>> raw = Path(tempfile.mkdtemp(), "raw"); raw.mkdir()
+        >>> _ = (raw / "in_domain_dev.tsv").write_text("gj04\t1\t\tThe keys are here.\ngj04\t0\t*\tThe keys is here.\n")
+        >>> read_cola(raw.parent, "dev")
+        (['The keys are here.', 'The keys is here.'], [1, 0])
     """
     path = _split_file(directory, split, COLA_FILES, "raw")
     texts, labels = [], []
@@ -31,7 +41,15 @@ def read_cola(directory: str | Path, split: str = "train") -> tuple[list[str], l
 
 
 def read_sst2(directory: str | Path, split: str = "train") -> tuple[list[str], list[int]]:
-    """SST-2 in GLUE format (header `sentence<TAB>label`): texts and 0/1 sentiment labels."""
+    """SST-2 in GLUE format (header `sentence<TAB>label`): texts and 0/1 sentiment labels.
+
+    Example:
+        >>> import tempfile
+        >>> read_sst2(tempfile.mkdtemp(), "test")
+        Traceback (most recent call last):
+        ...
+        ValueError: split must be one of ['dev', 'train'], got 'test'
+    """
     path = _split_file(directory, split, SST2_FILES)
     rows = _rows(path)
     if not rows or rows[0] != ["sentence", "label"]:

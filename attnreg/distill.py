@@ -7,10 +7,19 @@ of the original, with no learned map (TinyBERT's and CoFi's layer distillation).
 over the real tokens. It needs no labels, so unlabeled in-domain text will do.
 
 Example:
+    >>> import copy
+    >>> from attnreg.pruning import prune_heads
+    >>> from attnreg.tiny import tiny_model
+    >>> teacher = tiny_model("bert", head="classification").eval()
+    >>> student = copy.deepcopy(teacher)
+    >>> report = prune_heads(student, {0: [0, 1], 1: [2]})
+    >>> inputs = {"input_ids": torch.tensor([[2, 5, 6, 7, 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
     >>> with torch.no_grad():
     ...     target = teacher(**inputs, output_hidden_states=True)
     >>> output = student(**inputs, output_hidden_states=True)
     >>> loss = distillation_loss(output, target, inputs["attention_mask"], hidden_weight=1.0)
+    >>> loss.requires_grad, loss.item() > 0
+    (True, True)
 """
 
 from __future__ import annotations
@@ -34,6 +43,15 @@ def distillation_loss(
     vocabulary for a causal LM, where padded tokens are left out) and, when `hidden_weight > 0`,
     `hidden_states` from `output_hidden_states=True` (the embeddings, entry 0, are left out: pruning
     heads does not change them). The teacher's outputs should come from `torch.no_grad()`.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2", head="causal_lm").eval()
+        >>> inputs = {"input_ids": torch.tensor([[5, 6, 7, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+        >>> with torch.no_grad():
+        ...     output = model(**inputs)
+        >>> distillation_loss(output, output, inputs["attention_mask"], temperature=4.0)   # a perfect student
+        tensor(0.)
     """
     check_distillation(temperature, hidden_weight)
     if student.logits.shape != teacher.logits.shape:
@@ -48,7 +66,14 @@ def distillation_loss(
 
 
 def check_distillation(temperature: float, hidden_weight: float) -> None:
-    """Raises ValueError unless `temperature > 0` and `hidden_weight >= 0`."""
+    """Raises ValueError unless `temperature > 0` and `hidden_weight >= 0`.
+
+    Example:
+        >>> check_distillation(temperature=0.0, hidden_weight=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: temperature must be positive, got 0.0
+    """
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if not hidden_weight >= 0:

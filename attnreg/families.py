@@ -8,6 +8,8 @@ Example:
     >>> family = detect_family(model)
     >>> family.name, len(family.blocks(model))
     ('bert', 2)
+    >>> [family.name for family in FAMILIES]
+    ['bert', 'roberta', 'electra', 'distilbert', 'gpt2', 'llama', 'qwen2', 'mistral']
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ class Family:
     A fused projection (GPT-2's `c_attn`) is named in `fused_qkv` instead. `head_count_attrs` and
     `width_attrs` name the attention module's attributes holding its query-head count and its
     heads x head_dim width, which physical head pruning keeps in step with the weights.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("llama")                 # 4 query heads sharing 2 key/value heads
+        >>> family = detect_family(model)
+        >>> attention = family.attention_module(model, 0)
+        >>> family.causal, family.head_counts(attention), family.head_dim(attention)
+        (True, (4, 2), 8)
+        >>> family.module_path(model, 1, family.out_proj)
+        'layers.1.self_attn.o_proj'
     """
 
     name: str
@@ -46,7 +58,14 @@ class Family:
     width_attrs: tuple[str, ...] = ()
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
-        """The list of transformer blocks of `model` (a base or a head model)."""
+        """The list of transformer blocks of `model` (a base or a head model).
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> model = tiny_model("gpt2", head="causal_lm", layers=3)
+            >>> len(detect_family(model).blocks(model))
+            3
+        """
         return _get(_base_model(model), self.blocks_path)
 
     def attention_module(self, model: nn.Module, layer: int) -> nn.Module:
@@ -144,13 +163,25 @@ FAMILIES: tuple[Family, ...] = (
 
 
 class UnsupportedModelError(TypeError):
-    """The model belongs to no family in `FAMILIES`."""
+    """The model belongs to no family in `FAMILIES`.
+
+    Example:
+        >>> detect_family(torch.nn.Linear(2, 2))
+        Traceback (most recent call last):
+        ...
+        attnreg.families.UnsupportedModelError: attnreg does not support Linear (model_type=None); ...
+    """
 
 
 def detect_family(model: nn.Module) -> Family:
     """The `Family` of a transformers model, from its `config.model_type`.
 
     Raises `UnsupportedModelError` naming the model class and the supported families.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> detect_family(tiny_model("distilbert", head="classification")).name
+        'distilbert'
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     for family in FAMILIES:
@@ -164,14 +195,28 @@ def detect_family(model: nn.Module) -> Family:
 
 
 def out_features(projection: nn.Module) -> int:
-    """Output width of an nn.Linear or a GPT-2 Conv1D (whose weight is stored transposed)."""
+    """Output width of an nn.Linear or a GPT-2 Conv1D (whose weight is stored transposed).
+
+    Example:
+        >>> out_features(nn.Linear(3, 5)), out_features(Conv1D(5, 3))
+        (5, 5)
+    """
     if isinstance(projection, Conv1D):
         return projection.weight.shape[1]
     return projection.weight.shape[0]
 
 
 def scale_input_columns(projection: nn.Module, scale: torch.Tensor) -> None:
-    """Multiply the projection's input features by `scale` (one value per input feature), in place."""
+    """Multiply the projection's input features by `scale` (one value per input feature), in place.
+
+    Example:
+        >>> projection = nn.Linear(2, 1, bias=False)
+        >>> projection.weight.data = torch.tensor([[1.0, 1.0]])
+        >>> scale_input_columns(projection, torch.tensor([0.0, 3.0]))
+        >>> projection.weight
+        Parameter containing:
+        tensor([[0., 3.]], requires_grad=True)
+    """
     weight = projection.weight
     with torch.no_grad():
         if isinstance(projection, Conv1D):
@@ -181,7 +226,16 @@ def scale_input_columns(projection: nn.Module, scale: torch.Tensor) -> None:
 
 
 def scale_output_rows(projection: nn.Module, scale: torch.Tensor, start: int = 0) -> None:
-    """Multiply output features `start : start + len(scale)` (weight and bias) by `scale`, in place."""
+    """Multiply output features `start : start + len(scale)` (weight and bias) by `scale`, in place.
+
+    Example:
+        >>> projection = nn.Linear(1, 3)
+        >>> projection.bias.data = torch.ones(3)
+        >>> scale_output_rows(projection, torch.tensor([0.0, 2.0]), start=1)
+        >>> projection.bias
+        Parameter containing:
+        tensor([1., 0., 2.], requires_grad=True)
+    """
     stop = start + scale.numel()
     with torch.no_grad():
         if isinstance(projection, Conv1D):

@@ -203,6 +203,13 @@ def attention_probabilities(
 
     `attention_mask` is transformers' SDPA mask: boolean (True = attend), additive float, or None;
     with `causal` and more than one query, keys after each query's position are masked as well.
+
+    Example:
+        >>> query = key = torch.zeros(1, 1, 3, 4)                           # equal scores everywhere
+        >>> attention_probabilities(query, key, None, scaling=0.5, causal=True)[0, 0]
+        tensor([[1.0000, 0.0000, 0.0000],
+                [0.5000, 0.5000, 0.0000],
+                [0.3333, 0.3333, 0.3333]])
     """
     scores = attention_scores(query, key, attention_mask, scaling, temperature, causal)
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -236,7 +243,13 @@ def attention_scores(
 
 
 def causal_mask(queries: int, keys: int, device: torch.device | None = None) -> torch.Tensor:
-    """`[T, S]` True where query i may attend to key j: j <= i + S - T (the queries are the last T)."""
+    """`[T, S]` True where query i may attend to key j: j <= i + S - T (the queries are the last T).
+
+    Example:
+        >>> causal_mask(2, 3).int()                                    # 2 new queries after 1 cached key
+        tensor([[1, 1, 0],
+                [1, 1, 1]], dtype=torch.int32)
+    """
     return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
@@ -244,10 +257,15 @@ class AttentionHub:
     """Per-model access to what each attention head does; created by `attnreg.attach`.
 
     Example:
-        >>> hub = attnreg.attach(model)
-        >>> hub.gate(0)                    # a trainable per-head gate, initialised to 1
+        >>> import attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> hub = attnreg.attach(tiny_model("llama"))     # grouped-query attention, 2 layers x 4 heads
+        >>> hub.num_layers, hub.gate(0).tolist()          # a trainable per-head gate, initialised to 1
+        (2, [1.0, 1.0, 1.0, 1.0])
         >>> hub.set_temperature(2.0, layers=[0])
         >>> hub.set_attention_dropout(0.1)
+        >>> hub.temperature(0).tolist(), hub.attention_dropout(1)
+        ([2.0, 2.0, 2.0, 2.0], 0.1)
     """
 
     def __init__(self, model: nn.Module, family: Family, previous_implementation: str) -> None:
@@ -450,7 +468,12 @@ class _GateHook:
 
 def gate_values(gate: nn.Parameter | nn.Module, deterministic: bool = False) -> torch.Tensor:
     """The per-head values of a gate: the parameter itself, or what a gate module returns (in eval
-    mode when `deterministic`)."""
+    mode when `deterministic`).
+
+    Example:
+        >>> gate_values(nn.Parameter(torch.tensor([1.0, 0.0]))).tolist()
+        [1.0, 0.0]
+    """
     if not isinstance(gate, nn.Module):
         return gate
     if not deterministic:
@@ -511,6 +534,13 @@ def attach(model: nn.Module) -> AttentionHub:
 
     Calling it again on the same model returns the same hub. Raises `UnsupportedModelError` for a
     model outside the family table.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("distilbert")
+        >>> hub = attach(model)
+        >>> attach(model) is hub, is_attached(model), hub_of(model) is hub, model.config._attn_implementation
+        (True, True, True, 'attnreg')
     """
     existing: AttentionHub | None = getattr(model, _HUB_ATTR, None)
     if existing is not None:
@@ -551,6 +581,17 @@ def hub_of(model: nn.Module) -> AttentionHub:
 def detach(model: nn.Module) -> None:
     """Undo `attach`: fold gates into the output projections and temperatures into the query
     projections (so outputs do not change), remove every hook, and restore the previous implementation.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert").eval()
+        >>> ids = torch.tensor([[5, 6, 7]])
+        >>> with torch.no_grad():
+        ...     attach(model).gate(1)[2] = 0.5                          # half of head 2 of layer 1
+        ...     gated = model(input_ids=ids).last_hidden_state
+        ...     detach(model)
+        ...     torch.allclose(model(input_ids=ids).last_hidden_state, gated, atol=1e-6), is_attached(model)
+        (True, False)
     """
     hub = hub_of(model)
     family = hub.family
@@ -602,6 +643,9 @@ def find_transformers_model(module: nn.Module) -> PreTrainedModel:
     `module.attnreg_model_attr`, where set, names the attribute to use when there is more than one.
 
     Example:
+        >>> from attnreg.modules import SequenceClassifier
+        >>> from attnreg.tiny import tiny_model
+        >>> classifier = SequenceClassifier(tiny_model("bert", head="classification"))
         >>> find_transformers_model(classifier) is classifier.model
         True
     """

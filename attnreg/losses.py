@@ -8,10 +8,17 @@ The hot path is written for memory: entropy goes through an autograd function th
 `log p` only at the prior's support. See DESIGN.md, "Measured cost".
 
 Example:
-    >>> with hub.capture(layers=[2]) as probs:
-    ...     model(**batch)
-    >>> entropy = attention_entropy(probs[2], batch["attention_mask"], normalize=True)   # [H]
-    >>> loss = entropy_penalty(entropy, mode="target", band=(0.3, 0.8))
+    >>> import torch, attnreg
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert")                                   # 2 layers x 4 heads, random weights
+    >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    >>> with attnreg.attach(model).capture(layers=[1]) as probs:
+    ...     _ = model(**batch)
+    >>> entropy = attention_entropy(probs[1], batch["attention_mask"], normalize=True)   # [H], in [0, 1]
+    >>> entropy.shape, bool(((entropy > 0) & (entropy <= 1)).all())
+    (torch.Size([4]), True)
+    >>> entropy_penalty(entropy, mode="target", band=(0.3, 0.8)).shape   # one number
+    torch.Size([])
 """
 
 from __future__ import annotations
@@ -46,7 +53,12 @@ class _RowEntropy(torch.autograd.Function):
 
 
 def row_entropy(probs: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of every attention row: `[..., S]` to `[...]`, memory-lean under autograd."""
+    """Entropy (nats) of every attention row: `[..., S]` to `[...]`, memory-lean under autograd.
+
+    Example:
+        >>> row_entropy(torch.tensor([[0.5, 0.5], [1.0, 0.0]]))          # log 2, and 0
+        tensor([0.6931, 0.0000])
+    """
     return _RowEntropy.apply(probs)
 
 
@@ -56,6 +68,11 @@ def admissible_keys(
     """(valid query rows `[B, 1, T]`, number of admissible keys per row `[B, 1, T]`).
 
     A key is admissible when it is a real token and, for causal models, at or before the query.
+
+    Example:
+        >>> rows, counts = admissible_keys(torch.tensor([[1, 1, 0]]), torch.Size((1, 4, 3, 3)), causal=True)
+        >>> rows.tolist(), counts.tolist()
+        ([[[True, True, False]]], [[[1.0, 2.0, 2.0]]])
     """
     batch, _, queries, keys = shape
     if attention_mask is None:
@@ -81,6 +98,11 @@ def attention_entropy(
     With `normalize=True` each row's entropy is divided by log(number of admissible keys), so rows
     and sequences of different lengths compare (1 = uniform, 0 = one key); rows with a single
     admissible key are left out then.
+
+    Example:
+        >>> probs = torch.tensor([[[[0.5, 0.5], [0.5, 0.5]], [[1.0, 0.0], [0.0, 1.0]]]])  # [1, 2, 2, 2]
+        >>> attention_entropy(probs, normalize=True)                     # uniform, then one key
+        tensor([1., 0.])
     """
     return mean_row_entropy(row_entropy(probs), attention_mask, probs.shape[-1], causal, normalize)
 
@@ -93,7 +115,12 @@ def mean_row_entropy(
     normalize: bool = False,
 ) -> torch.Tensor:
     """`attention_entropy` from row entropies `[B, H, T]` (of `keys` keys each), as `attnreg.blockwise`
-    computes them: the mean per head `[H]` over the real query rows."""
+    computes them: the mean per head `[H]` over the real query rows.
+
+    Example:
+        >>> mean_row_entropy(torch.tensor([[[0.5, 0.7, 9.0]]]), torch.tensor([[1, 1, 0]]), keys=3)  # row 2: pad
+        tensor([0.6000])
+    """
     batch, heads, queries = entropy.shape
     rows, counts = admissible_keys(attention_mask, torch.Size((batch, heads, queries, keys)), causal)
     rows, counts = rows.to(entropy.device), counts.to(entropy.device)
@@ -119,6 +146,11 @@ def entropy_penalty(
     - `max`: minus the mean entropy (flatten heads, as EAR does);
     - `target`: the mean squared distance to the band `[lo, hi]`, zero inside it, applied to every
       head (`per="head"`) or to each layer's head mean (`per="layer"`).
+
+    Example:
+        >>> entropy = torch.tensor([0.2, 0.5, 0.9])
+        >>> entropy_penalty(entropy, "max"), entropy_penalty(entropy, "target", band=(0.3, 0.8))
+        (tensor(-0.5333), tensor(0.0067))
     """
     if mode == "min":
         return entropy.mean()
@@ -149,6 +181,7 @@ def check_prior(prior: torch.Tensor, probs_shape: Sequence[int], heads: Sequence
     Example:
         >>> check_prior(torch.tensor([[2, -1, 0]]), (1, 4, 3, 3))       # fine: returns None
         >>> check_prior(torch.tensor([[2, -5, 0]]), (1, 4, 3, 3))
+        Traceback (most recent call last):
         IndexError: prior: row (batch 0, query 1) has key index -5, outside 0..2 (only -1 leaves a row out)
     """
     batch, count, queries, keys = probs_shape
@@ -233,7 +266,9 @@ def prior_kl(
     contribute 0, and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
 
     Example:
-        >>> prior_kl(probs, torch.tensor([[-1, 0, 0, 2]]), heads=[3])    # probs [1, H, 4, 4]
+        >>> probs = torch.full((1, 4, 4, 4), 0.25)                        # uniform attention, 4 heads
+        >>> prior_kl(probs, torch.tensor([[-1, 0, 0, 2]]), heads=[3])    # KL(one-hot || uniform) = log 4
+        tensor(1.3863)
     """
     if probs.dim() != 4:
         raise ValueError(f"probs must be attention of one layer [B, H, T, S], got shape {tuple(probs.shape)}")
@@ -258,7 +293,12 @@ def prior_kl(
 
 def kl_from_cross_entropy(cross_entropy: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
     """`prior_kl` from the rows' cross-entropies `-sum_j r_ij log p_ij` `[B, H, T]` (as `attnreg.blockwise`
-    computes them) and the checked, causally restricted `prior`: the mean KL over rows with prior mass."""
+    computes them) and the checked, causally restricted `prior`: the mean KL over rows with prior mass.
+
+    Example:
+        >>> kl_from_cross_entropy(torch.tensor([[[2.0, 9.0, 1.0]]]), torch.tensor([[0, -1, 1]]))  # row 1 out
+        tensor(1.5000)
+    """
     if prior.dim() == 2:
         rows, per_row = prior >= 0, cross_entropy
     else:
@@ -275,6 +315,10 @@ def causal_prior(prior: torch.Tensor, keys: int | None = None) -> torch.Tensor:
     Key indices `[B, T]` after the query become -1 (row left out); dense rows `[B, T, S]` lose the
     later keys and are renormalized, and rows with no mass left become all zeros (left out). `keys`
     (S) defaults to T; queries are the last T of the S positions.
+
+    Example:
+        >>> causal_prior(torch.tensor([[1, 0, 2]]))                      # query 0 cannot see key 1
+        tensor([[-1,  0,  2]])
     """
     queries = prior.shape[1]
     keys = queries if keys is None else keys

@@ -6,14 +6,26 @@ for all the layers the registered terms need, runs the user's step, and adds eve
 returns (a tensor, or a dict with "loss"). Each term is logged as `attnreg/<name>`.
 
 Example:
-    >>> class Classifier(attnreg.AttnRegMixin, lightning.LightningModule):
+    >>> import lightning
+    >>> from torch.utils.data import DataLoader
+    >>> from attnreg.tiny import tiny_model
+    >>> class Classifier(AttnRegMixin, lightning.LightningModule):
     ...     def __init__(self, model):
     ...         super().__init__()
     ...         self.model = model
     ...     def training_step(self, batch, batch_idx):
     ...         return self.model(**batch).loss          # no attnreg code needed here
-    >>> module = Classifier(model)
-    >>> module.add_attnreg_term("sharpen", lambda probs, batch: probs[0].var(), layers=[0])
+    ...     def configure_optimizers(self):
+    ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    >>> module = Classifier(tiny_model("bert", head="classification"))
+    >>> module.add_attnreg_term("sharpen", lambda probs, batch: -probs[0].var(), layers=[0])
+    >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}
+    >>> trainer = lightning.Trainer(
+    ...     max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    ... )
+    >>> trainer.fit(module, DataLoader([batch], batch_size=None))
+    >>> list(trainer.callback_metrics)                  # the term was added to the loss, and logged
+    ['attnreg/sharpen']
 """
 
 from __future__ import annotations
@@ -36,7 +48,20 @@ TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
 @dataclass(frozen=True)
 class AttentionTerm:
     """A loss term: `fn(record, batch)` returns a scalar; `layers` are captured for it (None = all), their
-    probabilities, or with `inputs` what they received (`hub.capture(..., inputs=True)`)."""
+    probabilities, or with `inputs` what they received (`hub.capture(..., inputs=True)`).
+
+    Example:
+        >>> import lightning
+        >>> from attnreg.tiny import tiny_model
+        >>> class Module(AttnRegMixin, lightning.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.model = tiny_model("bert")
+        >>> module = Module()
+        >>> module.add_attnreg_term("spread", lambda probs, batch: probs[1].var(), layers=1)
+        >>> module.attnreg_terms["spread"]
+        AttentionTerm(name='spread', fn=<function <lambda> at ...>, layers=(1,), inputs=False)
+    """
 
     name: str
     fn: TermFunction
@@ -49,6 +74,17 @@ class AttnRegMixin:
 
     The model is found among the module's submodules (set `attnreg_model_attr` to the attribute
     name where there is more than one) and attached on first use of `attnreg_hub`.
+
+    Example:
+        >>> import lightning
+        >>> from attnreg.tiny import tiny_model
+        >>> class Module(AttnRegMixin, lightning.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.model = tiny_model("gpt2")
+        >>> module = Module()
+        >>> type(module.attnreg_model).__name__, module.attnreg_hub.num_layers
+        ('GPT2Model', 2)
     """
 
     attnreg_model_attr: str | None = None
@@ -96,6 +132,20 @@ class AttnRegMixin:
 
         For users who compose the loss by hand inside `training_step`: once called, the terms are
         not added again to what the step returns.
+
+        Example:
+            >>> import lightning
+            >>> from attnreg.tiny import tiny_model
+            >>> class Module(AttnRegMixin, lightning.LightningModule):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.model = tiny_model("bert", head="classification")
+            ...     def training_step(self, batch, batch_idx):
+            ...         return self.model(**batch).loss + 0.5 * self.attnreg_loss()   # weighted by hand
+            >>> Module().attnreg_loss()                  # outside a training step
+            Traceback (most recent call last):
+            ...
+            RuntimeError: attnreg_loss() can only be called inside training_step (after the forward pass)
         """
         step = self.__dict__.get("_attnreg_step")
         if step is None:
@@ -168,7 +218,14 @@ def _add_terms_to(training_step: Callable) -> Callable:
 
 
 class EvalModeWarning(UserWarning):
-    """The transformers model is in eval mode while Lightning trains: dropout is off."""
+    """The transformers model is in eval mode while Lightning trains: dropout is off.
+
+    Warned once per fit by the mixin; call `model.train()` after `from_pretrained`, before `trainer.fit`.
+
+    Example:
+        >>> issubclass(EvalModeWarning, UserWarning)
+        True
+    """
 
 
 def _warn_if_eval_mode(module: AttnRegMixin) -> None:
@@ -200,7 +257,17 @@ def _add_loss(output: Any, extra: torch.Tensor) -> Any:
 
 
 def require_mixin(pl_module: Any, user: object) -> AttnRegMixin:
-    """Return `pl_module` if it uses `AttnRegMixin`, else raise an error telling how to add it."""
+    """Return `pl_module` if it uses `AttnRegMixin`, else raise an error telling how to add it.
+
+    Example:
+        >>> import lightning
+        >>> class Plain(lightning.LightningModule):
+        ...     pass
+        >>> require_mixin(Plain(), user=object())
+        Traceback (most recent call last):
+        ...
+        TypeError: object needs the LightningModule to use attnreg.AttnRegMixin; declare it as ...
+    """
     if not isinstance(pl_module, AttnRegMixin):
         name = type(pl_module).__name__
         raise TypeError(

@@ -4,9 +4,20 @@ It already uses `attnreg.AttnRegMixin`, so every attnreg callback works with it;
 the model's forward does not take (the syntax prior, say) are kept away from the model.
 
 Example:
-    >>> model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2)
-    >>> module = SequenceClassifier(model, lr=5e-5)
-    >>> lightning.Trainer(callbacks=[attnreg.SyntaxPriorKL(layers=[2], heads=[8])]).fit(module, loader)
+    >>> from torch.utils.data import DataLoader
+    >>> from attnreg import SyntaxPriorKL
+    >>> from attnreg.syntax import SyntaxCollator
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> data = [{"sentence": example.sentence, "label": example.label} for example in generate(8, seed=0)]
+    >>> loader = DataLoader(data, batch_size=4, collate_fn=SyntaxCollator(tokenizer))
+    >>> module = SequenceClassifier(tiny_model("bert", head="classification", vocab=len(tokenizer)), lr=1e-3)
+    >>> trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    ...                     enable_model_summary=False, callbacks=[SyntaxPriorKL(layers=[1], heads=[0])])
+    >>> trainer.fit(module, loader)
+    >>> sorted(trainer.callback_metrics)
+    ['attnreg/prior_kl', 'attnreg/prior_kl/layer1', 'train/loss']
 """
 
 from __future__ import annotations
@@ -31,6 +42,16 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
     attnreg's head gates (`HeadGating`) get a group of their own, named "gates", at `gate_lr` (default
     `lr`; gates usually need a far larger one) without weight decay. Logs `train/loss`, and `val/loss`,
     `val/acc`, `val/mcc` (Matthews correlation) each epoch.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3, gate_lr=0.1)
+        >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1]),
+        ...          "attnreg_prior": torch.tensor([[-1, 2, 1, -1]])}
+        >>> sorted(module.model_inputs(batch))           # the prior is kept away from the model
+        ['input_ids', 'labels']
+        >>> module(batch).logits.shape
+        torch.Size([1, 2])
     """
 
     def __init__(
@@ -105,9 +126,19 @@ class Distiller(SequenceClassifier):
     device when fit starts. Logs `train/loss`.
 
     Example:
+        >>> import copy
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
         >>> pruned = copy.deepcopy(model)
-        >>> attnreg.pruning.prune_heads(pruned, {0: [1, 2], 3: [0]})
-        >>> lightning.Trainer(max_epochs=1).fit(Distiller(pruned, teacher=model), unlabeled_loader)
+        >>> report = prune_heads(pruned, {0: [1, 2], 1: [0]})
+        >>> distiller = Distiller(pruned, teacher=model, temperature=2.0)   # then trainer.fit(distiller, loader)
+        >>> sum(p.numel() for p in distiller.parameters()) == report.parameters_after   # the teacher is not in it
+        True
+        >>> Distiller(model, teacher=model)
+        Traceback (most recent call last):
+        ...
+        ValueError: teacher is the model being trained: pass a copy (e.g. the unpruned model)
     """
 
     def __init__(

@@ -22,10 +22,15 @@ Groups are named for LearningRateMonitor (`lr-AdamW/layer3`); with `weight_decay
 parameters and gates go to a twin group `layer3/no_decay` with weight decay 0.
 
 Example:
+    >>> import torch
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert", head="classification")     # 2 layers
     >>> groups = layerwise_param_groups(model, lr=2e-5, decay=0.95, weight_decay=0.01, freeze=["embeddings"])
     >>> optimizer = torch.optim.AdamW(groups)
-    >>> [group["name"] for group in groups][:3]
-    ['layer0', 'layer0/no_decay', 'layer1']
+    >>> [group["name"] for group in groups]
+    ['layer0', 'layer0/no_decay', 'layer1', 'layer1/no_decay', 'head', 'head/no_decay']
+    >>> [f"{group['lr']:.3g}" for group in groups[::2]]      # lr * 0.95 ** (N + 1 - i), then lr
+    ['1.71e-05', '1.8e-05', '2e-05']
 """
 
 from __future__ import annotations
@@ -51,7 +56,12 @@ LayerKey = str | int
 
 
 def layer_group_names(num_layers: int) -> list[str]:
-    """`["embeddings", "layer0", ..., "layer{N-1}", "head", "gates"]`, from the input side up."""
+    """`["embeddings", "layer0", ..., "layer{N-1}", "head", "gates"]`, from the input side up.
+
+    Example:
+        >>> layer_group_names(2)
+        ['embeddings', 'layer0', 'layer1', 'head', 'gates']
+    """
     return [EMBEDDINGS, *(f"layer{index}" for index in range(num_layers)), HEAD, GATES]
 
 
@@ -62,7 +72,11 @@ def parameters_by_layer(model: nn.Module) -> dict[str, list[tuple[str, nn.Parame
     exactly one; parameters outside it go to `head`. Raises `UnsupportedModelError` for other families.
 
     Example:
-        >>> [name for name, _ in parameters_by_layer(model)["head"]]
+        >>> from attnreg.tiny import tiny_model
+        >>> layers = parameters_by_layer(tiny_model("bert", head="classification"))
+        >>> {name: len(named) for name, named in layers.items()}
+        {'embeddings': 5, 'layer0': 16, 'layer1': 16, 'head': 4, 'gates': 0}
+        >>> [name for name, _ in layers["head"]]
         ['bert.pooler.dense.weight', 'bert.pooler.dense.bias', 'classifier.weight', 'classifier.bias']
     """
     transformers_model = find_transformers_model(model)
@@ -93,7 +107,7 @@ def electra_layer_factors(num_layers: int, decay: float) -> dict[str, float]:
 
     Example:
         >>> electra_layer_factors(2, 0.5)
-        {'embeddings': 0.0625, 'layer0': 0.125, 'layer1': 0.25, 'head': 1.0}
+        {'embeddings': 0.0625, 'layer0': 0.125, 'layer1': 0.25, 'head': 1.0, 'gates': 1.0}
     """
     _check_decay(decay)
     depths = {EMBEDDINGS: 0, **{f"layer{index}": index + 1 for index in range(num_layers)}, HEAD: num_layers + 2}
@@ -123,7 +137,13 @@ def layerwise_param_groups(
     the model is changed.
 
     Example:
-        >>> optimizer = torch.optim.AdamW(layerwise_param_groups(model, lr=1e-4, decay=0.8, multipliers={"head": 10}))
+        >>> import torch
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> groups = layerwise_param_groups(model, lr=1e-4, decay=0.5, multipliers={"head": 10})
+        >>> optimizer = torch.optim.AdamW(groups)
+        >>> {group["name"]: group["lr"] for group in groups}
+        {'embeddings': 6.25e-06, 'layer0': 1.25e-05, 'layer1': 2.5e-05, 'head': 0.001}
     """
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
@@ -165,7 +185,12 @@ def layerwise_param_groups(
 
 
 def resolve_layer_groups(keys: Iterable[LayerKey] | LayerKey, names: Sequence[str], argument: str) -> list[str]:
-    """Group names for `keys` (names or layer indices), each checked against `names`."""
+    """Group names for `keys` (names or layer indices), each checked against `names`.
+
+    Example:
+        >>> resolve_layer_groups([0, "head"], layer_group_names(2), "freeze")
+        ['layer0', 'head']
+    """
     if isinstance(keys, str | int):
         keys = [keys]
     return [_group_name(key, names, argument) for key in keys]

@@ -31,11 +31,26 @@ from attnreg.schedules import Constant
 
 
 class TrainingLengthWarning(UserWarning):
-    """A schedule spans a different number of steps than the run it is resumed or used in."""
+    """A schedule spans a different number of steps than the run it is resumed or used in.
+
+    Example:
+        >>> length = TrainingLength("LayerwiseLR", fixed_total=50)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     length.start(estimate=80.0, needs_length=True)
+        >>> caught[0].category.__name__, str(caught[0].message)
+        ('TrainingLengthWarning', "LayerwiseLR: total_steps=50 but this run has 80 optimizer steps; ...")
+    """
 
 
 def changes_over_training(schedule: Callable[[float], float] | None) -> bool:
-    """False for None and `Constant` schedules (they need no training length), True otherwise."""
+    """False for None and `Constant` schedules (they need no training length), True otherwise.
+
+    Example:
+        >>> from attnreg.schedules import Linear
+        >>> changes_over_training(Constant(0.1)), changes_over_training(Linear(0.1, 0.0))
+        (False, True)
+    """
     return schedule is not None and not isinstance(schedule, Constant)
 
 
@@ -44,6 +59,16 @@ class TrainingLength:
 
     `owner` names the schedule in messages; `fixed_total` is a length the user set (`total_steps=`),
     which then wins over the trainer's estimate.
+
+    Example:
+        >>> length = TrainingLength("DropoutSchedule")
+        >>> length.start(estimate=float("inf"), needs_length=False)   # a constant needs no length
+        >>> length.total, length.progress(10)
+        (None, 0.0)
+        >>> length.start(estimate=float("inf"), needs_length=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: DropoutSchedule changes over training, which needs the number of optimizer steps, ...
     """
 
     def __init__(self, owner: str, fixed_total: int | None = None) -> None:
@@ -58,7 +83,13 @@ class TrainingLength:
 
     def start(self, estimate: float, needs_length: bool) -> None:
         """Fix the total at the start of a run from the trainer's `estimate` of its optimizer steps
-        (inf or NaN when unknown). `needs_length`: whether the schedule changes over training."""
+        (inf or NaN when unknown). `needs_length`: whether the schedule changes over training.
+
+        Example:
+            >>> length = TrainingLength("Entropy weight", fixed_total=10)   # the fixed total wins
+            >>> length.start(estimate=4.0, needs_length=True); length.total
+            10
+        """
         known = math.isfinite(estimate) and estimate >= 1
         if self.fixed_total is not None:
             if known and self.fixed_total < int(estimate):
@@ -89,7 +120,14 @@ class TrainingLength:
             )
 
     def progress(self, step: int) -> float:
-        """`step / total`, clamped to [0, 1]; 0 while the length is unknown (constant schedules only)."""
+        """`step / total`, clamped to [0, 1]; 0 while the length is unknown (constant schedules only).
+
+        Example:
+            >>> length = TrainingLength("schedule")
+            >>> length.start(estimate=8.0, needs_length=True)
+            >>> length.progress(2), length.progress(20)
+            (0.25, 1.0)
+        """
         if self.total is None:
             return 0.0
         return min(max(step, 0), self.total) / self.total

@@ -26,7 +26,19 @@ from typing import Literal
 
 
 class Schedule(ABC):
-    """A value as a function of training progress in [0, 1]; call it with the progress."""
+    """A value as a function of training progress in [0, 1]; call it with the progress.
+
+    A subclass is a frozen dataclass that defines `_value(progress)`.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass(frozen=True)
+        ... class Square(Schedule):
+        ...     def _value(self, progress):
+        ...         return progress**2
+        >>> Square()(0.5), Square().at_step(1, total_steps=4)
+        (0.25, 0.0625)
+    """
 
     def __call__(self, progress: float) -> float:
         if not 0.0 <= progress <= 1.0:  # also rejects NaN
@@ -38,7 +50,12 @@ class Schedule(ABC):
         """The value at `progress`, already checked to lie in [0, 1]."""
 
     def at_step(self, step: int, total_steps: int) -> float:
-        """The value at optimizer step `step` (0-based) of `total_steps`."""
+        """The value at optimizer step `step` (0-based) of `total_steps`.
+
+        Example:
+            >>> Linear(1.0, 0.0).at_step(1, total_steps=4)
+            0.75
+        """
         return self(step_progress(step, total_steps))
 
 
@@ -46,7 +63,12 @@ ScheduleLike = Schedule | Callable[[float], float] | float
 
 
 def step_progress(step: int, total_steps: int) -> float:
-    """`step / total_steps`, checked: 0 <= step <= total_steps, total_steps >= 1."""
+    """`step / total_steps`, checked: 0 <= step <= total_steps, total_steps >= 1.
+
+    Example:
+        >>> step_progress(5, 20)
+        0.25
+    """
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= total_steps:
@@ -55,7 +77,14 @@ def step_progress(step: int, total_steps: int) -> float:
 
 
 def as_schedule(schedule: ScheduleLike, argument: str = "schedule") -> Callable[[float], float]:
-    """A number becomes `Constant(number)`; a schedule or any callable of progress is returned as is."""
+    """A number becomes `Constant(number)`; a schedule or any callable of progress is returned as is.
+
+    Example:
+        >>> as_schedule(0.3)
+        Constant(value=0.3)
+        >>> as_schedule(lambda progress: 1 - progress)(0.25)
+        0.75
+    """
     if isinstance(schedule, bool):
         raise TypeError(f"{argument} must be a schedule, a callable of progress or a number, got {schedule!r}")
     if isinstance(schedule, int | float):
@@ -68,7 +97,12 @@ def as_schedule(schedule: ScheduleLike, argument: str = "schedule") -> Callable[
 
 
 def schedule_values(schedule: Callable[[float], float], total_steps: int) -> list[float]:
-    """The value at each optimizer step `0 .. total_steps - 1` (what a callback will use)."""
+    """The value at each optimizer step `0 .. total_steps - 1` (what a callback will use).
+
+    Example:
+        >>> schedule_values(Linear(1.0, 0.0), total_steps=4)
+        [1.0, 0.75, 0.5, 0.25]
+    """
     step_progress(0, total_steps)
     return [float(schedule(step / total_steps)) for step in range(total_steps)]
 
@@ -78,7 +112,12 @@ def schedule_values(schedule: Callable[[float], float], total_steps: int) -> lis
 
 @dataclass(frozen=True)
 class Constant(Schedule):
-    """The same value throughout. Example: `Constant(0.1)(0.7) == 0.1`."""
+    """The same value throughout.
+
+    Example:
+        >>> Constant(0.1)(0.7)
+        0.1
+    """
 
     value: float
 
@@ -93,7 +132,9 @@ class Constant(Schedule):
 class Linear(Schedule):
     """`initial` until `start`, then a straight line to `final` at `end`, then `final`.
 
-    Example: `Linear(0.1, 0.0, start=0.5)(0.75) == 0.05`.
+    Example:
+        >>> Linear(0.1, 0.0, start=0.5)(0.25), Linear(0.1, 0.0, start=0.5)(0.75)
+        (0.1, 0.05)
     """
 
     initial: float
@@ -113,7 +154,9 @@ class Linear(Schedule):
 class Cosine(Schedule):
     """Half a cosine from `initial` (at `start`) to `final` (at `end`), flat outside the window.
 
-    Example: `Cosine(1.0, 0.0)(0.5) == 0.5`.
+    Example:
+        >>> [round(Cosine(1.0, 0.0)(progress), 3) for progress in (0.0, 0.25, 0.5, 1.0)]
+        [1.0, 0.854, 0.5, 0.0]
     """
 
     initial: float
@@ -134,7 +177,9 @@ class Cosine(Schedule):
 class Exponential(Schedule):
     """Geometric interpolation `initial * (final / initial) ** done` over the window; both values > 0.
 
-    Example: `Exponential(1.0, 0.01)(0.5) == 0.1`.
+    Example:
+        >>> Exponential(1.0, 0.01)(0.5)
+        0.1
     """
 
     initial: float
@@ -161,7 +206,10 @@ class Exponential(Schedule):
 class Step(Schedule):
     """Piecewise constant: `values[i]` from `boundaries[i - 1]` (inclusive) to `boundaries[i]`.
 
-    Example: `Step(values=[0.1, 0.05, 0.0], boundaries=[0.3, 0.6])(0.3) == 0.05`.
+    Example:
+        >>> step = Step(values=[0.1, 0.05, 0.0], boundaries=[0.3, 0.6])
+        >>> step(0.29), step(0.3), step(0.9)
+        (0.1, 0.05, 0.0)
     """
 
     values: Sequence[float]
@@ -193,7 +241,11 @@ class Warmup(Schedule):
 
     `Warmup(0.06, Linear(1.0, 0.0))` is transformers' `get_linear_schedule_with_warmup` as a factor.
 
-    Example: `Warmup(0.5, Constant(0.2))(0.25) == 0.1`.
+    Example:
+        >>> Warmup(0.5, Constant(0.2))(0.25)
+        0.1
+        >>> Warmup(0.2, then=Linear(1.0, 0.0))(0.6)      # halfway through the decay
+        0.5
     """
 
     fraction: float
@@ -223,7 +275,9 @@ class EarlyDropout(Schedule):
     mode="early", schedule="linear")` does (theirs is `np.linspace(rate, 0, n)` over the early steps, so
     it reaches 0 one step sooner; here `rate * (1 - progress / cutoff)`).
 
-    Example: `EarlyDropout(0.1, cutoff=0.5, shape="linear")(0.25) == 0.05`.
+    Example:
+        >>> EarlyDropout(0.1, cutoff=0.5)(0.25), EarlyDropout(0.1, cutoff=0.5, shape="linear")(0.25)
+        (0.1, 0.05)
     """
 
     rate: float
@@ -246,7 +300,9 @@ class EarlyDropout(Schedule):
 class LateDropout(Schedule):
     """Late dropout (Liu et al. 2023): no dropout until `cutoff`, then `rate`.
 
-    Example: `LateDropout(0.1, cutoff=0.5)(0.4) == 0.0`.
+    Example:
+        >>> LateDropout(0.1, cutoff=0.5)(0.4), LateDropout(0.1, cutoff=0.5)(0.5)
+        (0.0, 0.1)
     """
 
     rate: float
@@ -274,7 +330,9 @@ class CurriculumDropout(Schedule):
     MNIST setting, gamma 0.001 over about 64,000 iterations, is about 64 here). The rate is 95% of
     `final` at progress 3 / gamma.
 
-    Example: `CurriculumDropout(final=0.1, gamma=10.0)(0.1) == 0.1 * (1 - exp(-1))`.
+    Example:
+        >>> CurriculumDropout(final=0.1, gamma=10.0)(0.1)       # 0.1 * (1 - exp(-1))
+        0.0632...
     """
 
     final: float

@@ -28,11 +28,13 @@ The sentence-initial PP keeps the subject from having a fixed position, object r
 verb after 'that'" from marking the non-main verbs, and object RCs keep the main verb from being last.
 
 Example:
-    >>> splits = make_splits(train=500, seed=0)
+    >>> splits = make_splits(train=20, val=10, test=10, hard=5, seed=0)
     >>> example = splits["hard"][0]
     >>> example.sentence.text, example.label, example.distractors
     ('your [MASK] that my children follow follows my tables that the friends push .', 0, 2)
     >>> tokenizer = build_tokenizer(vocabulary())
+    >>> tokenizer.tokenize(example.sentence.text)[:4]
+    ['your', '[MASK]', 'that', 'my']
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ class Grammar:
     `subject_modifier` gives the probabilities of (none, PP, relative clause) on the subject; a
     relative clause has an object gap with p=`object_gap`; one after the main verb holds another with
     p=`nested_relative`, up to `max_depth` levels (those on the subject side never nest).
+
+    Example:
+        >>> simple = Grammar(fronted_pp=0.0, object_relative=0.0, subject_modifier=(1.0, 0.0, 0.0))
+        >>> generate_example(np.random.default_rng(0), simple).sentence.text
+        'our [MASK] see their key .'
+        >>> Grammar(fronted_pp=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: Grammar: fronted_pp must be a probability in [0, 1], got 1.5
     """
 
     determiners: tuple[str, ...] = ("the", "my", "your", "our", "their")
@@ -116,7 +127,15 @@ class Grammar:
 
 @dataclass(frozen=True)
 class AgreementExample:
-    """A sentence with its gold tree, the subject's number as `label` and its count of distractor verbs."""
+    """A sentence with its gold tree, the subject's number as `label` and its count of distractor verbs.
+
+    Example:
+        >>> example = generate(1, seed=3)[0]
+        >>> example.sentence.text
+        'near their painter , your [MASK] find your car that their cat helps .'
+        >>> LABELS[example.label], example.distractors          # "helps" does not agree with "[MASK] find"
+        ('plural', 1)
+    """
 
     sentence: Sentence
     label: int
@@ -194,7 +213,16 @@ def _relative_clause(
 def generate_example(
     rng: np.random.Generator, grammar: Grammar | None = None, sent_id: str = "agreement", mask: str = MASK
 ) -> AgreementExample:
-    """One sentence of the grammar drawn with `rng`, its subject noun replaced by `mask`."""
+    """One sentence of the grammar drawn with `rng`, its subject noun replaced by `mask`.
+
+    Example:
+        >>> grammar = Grammar(fronted_pp=0.0, object_relative=0.0, subject_modifier=(1.0, 0.0, 0.0))
+        >>> sentence = generate_example(np.random.default_rng(0), grammar).sentence
+        >>> sentence.words, sentence.heads      # the main verb "see" is the root, the subject's parent
+        (('our', '[MASK]', 'see', 'their', 'key', '.'), (2, 3, 0, 5, 3, 3))
+        >>> sentence.relations
+        ('det', 'nsubj', 'root', 'det', 'obj', 'punct')
+    """
     grammar = grammar or Grammar()
     b = _Builder()
     subject_number = int(rng.integers(2))
@@ -295,9 +323,11 @@ def make_splits(
     `hard_distractors`. No sentence text occurs in two splits.
 
     Example:
-        >>> splits = make_splits(train=500, seed=0)
+        >>> splits = make_splits(train=40, val=10, test=10, hard=5, seed=0)
         >>> {name: len(split) for name, split in splits.items()}
-        {'train': 500, 'val': 200, 'test': 500, 'hard': 500}
+        {'train': 40, 'val': 10, 'test': 10, 'hard': 5}
+        >>> sorted({example.distractors for example in splits["train"]}), splits["hard"][0].distractors
+        ([0, 1], 2)
     """
     overlap = set(train_distractors) & set(hard_distractors)
     if overlap:
@@ -313,7 +343,13 @@ def make_splits(
 
 
 def vocabulary(grammar: Grammar | None = None) -> list[str]:
-    """Every word the grammar can produce, in a fixed order (the mask excluded)."""
+    """Every word the grammar can produce, in a fixed order (the mask excluded).
+
+    Example:
+        >>> words = vocabulary()
+        >>> len(words), words[:6], words[-2:]
+        (53, ['the', 'my', 'your', 'our', 'their', 'near'], ['pushes', 'push'])
+    """
     grammar = grammar or Grammar()
     words = [*grammar.determiners, *grammar.prepositions, "that", ",", "."]
     words += [form for pair in grammar.nouns.items() for form in pair]

@@ -40,7 +40,15 @@ def tiny_config(
     family: str, hidden: int = 32, layers: int = 2, heads: int = 4, vocab: int = 99, positions: int = 128, **extra: Any
 ) -> PretrainedConfig:
     """A config of `family` with the given sizes, dropout off, and grouped-query attention
-    (half as many key/value heads) for the Llama-style families."""
+    (half as many key/value heads) for the Llama-style families. `extra` sets further config attributes.
+
+    Example:
+        >>> config = tiny_config("gpt2", hidden=64, layers=3)
+        >>> type(config).__name__, config.n_embd, config.n_layer, config.n_head
+        ('GPT2Config', 64, 3, 4)
+        >>> tiny_config("bert", num_labels=3).num_labels
+        3
+    """
     bert_like = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -104,7 +112,13 @@ def tiny_config(
 
 def tiny_model(family: str, head: str = "base", seed: int = 0, **sizes: Any) -> PreTrainedModel:
     """A randomly initialised model of `family` with the given `head` ("base", "classification",
-    "causal_lm"), using SDPA attention. Like any model built from a config it starts in train mode."""
+    "causal_lm"), using SDPA attention. Like any model built from a config it starts in train mode.
+
+    Example:
+        >>> model = tiny_model("roberta", head="classification")
+        >>> type(model).__name__, model.training, model.config._attn_implementation
+        ('RobertaForSequenceClassification', True, 'sdpa')
+    """
     if head not in HEADS:
         raise ValueError(f"head={head!r} is not one of {sorted(HEADS)}")
     torch.manual_seed(seed)

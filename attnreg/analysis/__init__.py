@@ -3,14 +3,22 @@
 One streaming pass (`analyze`) fills everything; no attention map outlives its batch.
 
 Example:
-    >>> from attnreg.analysis import analyze
-    >>> from attnreg.syntax import read_conllu
-    >>> analysis = analyze(model, tokenizer, read_conllu("en_ewt-ud-dev.conllu"))
-    >>> analysis.statistics["entropy"]                 # [layers, heads], normalized entropy
-    >>> analysis.syntax.best_head(), analysis.syntax.baseline(1)
-    >>> analysis.syntax.relation_table(min_words=100)  # best head per relation, both directions
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice
+    >>> sentences = [example.sentence for example in generate(8, seed=0)]   # or read_conllu("en_ewt-ud-dev.conllu")
+    >>> analysis = analyze(model, tokenizer, sentences)
+    >>> analysis.statistics["entropy"].shape           # [layers, heads], normalized entropy
+    torch.Size([2, 4])
+    >>> round(analysis.syntax.baseline(1), 3)          # right-branching; analysis.syntax.best_head() for the heads
+    0.451
+    >>> [row["relation"] for row in analysis.syntax.relation_table(min_words=10)]   # best head per relation
+    ['all', 'det', 'nsubj', 'obj', 'punct']
     >>> analysis.roles().grid()                        # "positional", "syntactic", "no-op", ...
+    [['broad', 'broad', 'broad', 'broad'], ['broad', 'broad', 'broad', 'broad']]
     >>> analysis.similarity.collapsed(threshold=0.9)   # layers whose token states collapsed
+    []
 """
 
 from attnreg.analysis.dependencies import (

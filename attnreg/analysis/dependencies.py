@@ -13,11 +13,22 @@ fixed-offset baselines predict the word k positions away (k = +1: right-branchin
 Everything is vectorized per batch: no attention map outlives its batch.
 
 Example:
-    >>> result = parent_accuracy(model, tokenizer, read_conllu("en_ewt-ud-dev.conllu"))
-    >>> result.best_head()                        # (layer, head, accuracy), dependent to head
-    >>> result.best_head("det", "head_to_dependent")
-    >>> result.baseline(1)                        # right-branching
-    >>> result.relation_table(min_words=100)      # Clark et al.'s Table 1
+    >>> from attnreg.analysis import parent_accuracy
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice
+    >>> sentences = [example.sentence for example in generate(8, seed=0)]   # or read_conllu("en_ewt-ud-dev.conllu")
+    >>> result = parent_accuracy(model, tokenizer, sentences)
+    >>> layer, head, accuracy = result.best_head()          # dependent to head
+    >>> layer, head, round(accuracy, 3)
+    (1, 0, 0.132)
+    >>> result.best_head("det", "head_to_dependent")[:2]
+    (0, 3)
+    >>> round(result.baseline(1), 3)                        # right-branching
+    0.451
+    >>> len(result.relation_table(min_words=10))            # Clark et al.'s Table 1: "all" and 4 relations
+    5
 """
 
 from __future__ import annotations
@@ -40,7 +51,11 @@ def word_attention(probs: torch.Tensor, alignment: Alignment) -> torch.Tensor:
     """Token attention `[..., T, S]` (one sentence, S >= the aligned tokens) to word attention `[..., n, n]`.
 
     Example:
-        >>> word_attention(probs[0], align_offsets(sentence, offsets))   # [H, words, words]
+        >>> from attnreg.syntax import align_word_ids
+        >>> probs = torch.full((1, 5, 5), 0.2)                            # [H, T, T]: one uniform head
+        >>> word_attention(probs, align_word_ids([None, 0, 0, 1, None], num_words=2))   # [CLS] w0 w0 w1 [SEP]
+        tensor([[[0.4000, 0.2000],
+                 [0.4000, 0.2000]]])
     """
     token_word = torch.as_tensor(alignment.token_word, device=probs.device)
     membership = _membership(token_word, alignment.num_words, probs.dtype)
@@ -52,7 +67,14 @@ def word_attention(probs: torch.Tensor, alignment: Alignment) -> torch.Tensor:
 
 def batch_word_attention(probs: torch.Tensor, membership: torch.Tensor) -> torch.Tensor:
     """Word attention `[B, H, W, W]` from token attention `[B, H, T, T]` and `membership` `[B, T, W]`
-    (1 where token t is a piece of word w): to a word, the sum over its pieces; from a word, the mean."""
+    (1 where token t is a piece of word w): to a word, the sum over its pieces; from a word, the mean.
+
+    Example:
+        >>> membership = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])     # tokens 0 and 1 are word 0
+        >>> batch_word_attention(torch.full((1, 1, 3, 3), 1 / 3), membership)
+        tensor([[[[0.6667, 0.3333],
+                  [0.6667, 0.3333]]]])
+    """
     batch, heads, tokens, _ = probs.shape
     width = membership.shape[-1]
     to_words = torch.bmm(probs.reshape(batch, heads * tokens, tokens), membership)  # sum over key pieces
@@ -72,6 +94,12 @@ def predicted_heads(words: torch.Tensor, valid: torch.Tensor, direction: Directi
     """Each word's predicted head `[B, H, W]` from word attention `[B, H, W, W]`.
 
     `valid` `[B, W]` marks words with tokens; other words and the word itself are never predicted.
+
+    Example:
+        >>> words = torch.tensor([[[[0.0, 0.7, 0.3], [0.6, 0.0, 0.4], [0.1, 0.9, 0.0]]]])   # [B, H, W, W]
+        >>> valid = torch.ones(1, 3, dtype=torch.bool)
+        >>> predicted_heads(words, valid, "dependent_to_head"), predicted_heads(words, valid, "head_to_dependent")
+        (tensor([[[1, 0, 1]]]), tensor([[[1, 2, 1]]]))
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
@@ -98,6 +126,13 @@ class SyntaxTargets:
     `membership` `[B, T, W]`: 1 where token t is a piece of word w; `gold` `[B, W]`: each scored word's
     head (0-based word index), -1 for words not scored (root, dropped, padding); `relation_ids` `[B, W]`:
     index into `relations`, -1 where not scored.
+
+    Example:
+        >>> from attnreg.syntax import Sentence, align_word_ids
+        >>> sentence = Sentence("s1", ("a", "b", "c"), (2, 0, 2), ("det", "root", "amod"), "a b c")
+        >>> targets = SyntaxTargets.build([sentence], [align_word_ids([None, 0, 1, 2, None], 3)], tokens=5)
+        >>> targets.gold, targets.relations              # the root is not scored
+        (tensor([[ 1, -1,  1]]), ('det', 'root', 'amod'))
     """
 
     membership: torch.Tensor
@@ -141,6 +176,16 @@ class ParentAccuracy:
     the words whose head is k positions away (k = +1: right-branching). Per relation: `by_relation[rel]`
     holds `(hits [L, H], words)` (dependent to head), `reverse_by_relation[rel]` the head-to-dependent
     hits, `relation_offset_hits[rel][k]` the baselines. Pruned heads (`present` False) read NaN.
+
+    Example:
+        >>> from attnreg.syntax import Sentence, align_word_ids
+        >>> sentence = Sentence("s1", ("a", "b", "c"), (2, 0, 2), ("det", "root", "amod"), "a b c")
+        >>> targets = SyntaxTargets.build([sentence], [align_word_ids([None, 0, 1, 2, None], 3)], tokens=5)
+        >>> probs = torch.zeros(1, 1, 5, 5); probs[..., 2] = 1.0      # one head, every token attends to "b"
+        >>> result = ParentAccuracy.empty(layers=1, heads=1)
+        >>> result.update({0: probs}, targets)
+        >>> result.accuracy, result.words, result.best_head(), result.baseline(1), result.best_baseline()
+        (tensor([[1.]]), 2, (0, 0, 1.0), 0.5, (1, 0.5))
     """
 
     hits: torch.Tensor

@@ -10,10 +10,17 @@ Roles (`head_roles`) are read from those statistics and, given gold trees, from 
 may have several labels and gets one primary role. Thresholds live in `RoleThresholds`.
 
 Example:
-    >>> stats = HeadStatistics.empty(layers=2, heads=4)
-    >>> stats.update({0: probs0, 1: probs1}, kinds.masks(input_ids, mask), mask, causal=False)
+    >>> from attnreg.task import build_tokenizer
+    >>> kinds = TokenKinds.from_tokenizer(build_tokenizer(["a", "b"]))
+    >>> input_ids = torch.tensor([[2, 5, 6, 3]])                    # [CLS] a b [SEP]
+    >>> previous = torch.diag(torch.ones(3), -1); previous[0, 0] = 1.0   # attends to the previous token
+    >>> probs = torch.stack([previous, torch.full((4, 4), 0.25)])[None]   # [B, H, T, T]: 2 heads
+    >>> stats = HeadStatistics.empty(layers=1, heads=2)
+    >>> stats.update({0: probs}, kinds.masks(input_ids), None, causal=False)
     >>> stats["to_previous"]            # [layers, heads]
-    >>> head_roles(stats).primary()     # [["positional", "broad", ...], ...]
+    tensor([[1.0000, 0.2500]])
+    >>> head_roles(stats).grid()        # the uniform head puts half its attention on [CLS] and [SEP]
+    [['positional', 'no-op']]
 """
 
 from __future__ import annotations
@@ -68,8 +75,18 @@ class TokenKinds:
     ("##", "Ġ", "▁") are stripped.
 
     Example:
+        >>> from attnreg.task import build_tokenizer
+        >>> tokenizer = build_tokenizer(["the", "keys", "."])
         >>> kinds = TokenKinds.from_tokenizer(tokenizer)
-        >>> kinds.masks(batch["input_ids"], batch["attention_mask"])   # [B, T, 3] bool
+        >>> kinds.start, kinds.end, kinds.first_is_start
+        (frozenset({2}), frozenset({3}), False)
+        >>> batch = tokenizer(["the keys ."], return_tensors="pt")       # [CLS] the keys . [SEP]
+        >>> kinds.masks(batch["input_ids"], batch["attention_mask"]).int()   # [B, T, 3]: start, end, punctuation
+        tensor([[[1, 0, 0],
+                 [0, 0, 0],
+                 [0, 0, 0],
+                 [0, 0, 1],
+                 [0, 1, 0]]], dtype=torch.int32)
     """
 
     start: frozenset[int]
@@ -139,8 +156,14 @@ def attention_statistics(
     number); previous/next rows need a real neighbour there. The distance is in tokens.
 
     Example:
-        >>> sums, rows = attention_statistics(probs, kinds.masks(ids, mask), mask)
+        >>> previous = torch.diag(torch.ones(3), -1); previous[0, 0] = 1.0   # attends to the previous token
+        >>> probs = torch.stack([previous, torch.full((4, 4), 0.25)])[None]   # [B, H, T, T]: 2 heads
+        >>> kinds = torch.zeros(1, 4, 3, dtype=torch.bool)                    # no special tokens
+        >>> sums, rows = attention_statistics(probs, kinds)
         >>> (sums / rows)[:, ATTENTION_STATISTICS.index("to_previous")]   # [H]
+        tensor([1.0000, 0.2500], dtype=torch.float64)
+        >>> (sums / rows)[:, ATTENTION_STATISTICS.index("entropy")]
+        tensor([0., 1.], dtype=torch.float64)
     """
     batch, heads, queries, keys = probs.shape
     if queries != keys:
@@ -187,6 +210,12 @@ def head_output_norms(context: torch.Tensor, gram: torch.Tensor) -> torch.Tensor
     `context` is the input of the output projection `[B, T, H * d]` (the heads' context vectors side by
     side); `gram[h] = W_h^T W_h` `[H, d, d]` for the projection's columns `W_h` of head h, so the result
     is |W_h c_h| without building the `[B, T, H, out]` products.
+
+    Example:
+        >>> context = torch.ones(1, 1, 4)                        # [B, T, 2 heads x 2 dims]
+        >>> gram = torch.stack([torch.eye(2), 4 * torch.eye(2)])  # head 1's columns are twice as long
+        >>> head_output_norms(context, gram)
+        tensor([[[1.4142, 2.8284]]])
     """
     heads, dim, _ = gram.shape
     per_head = context.float().reshape(*context.shape[:-1], heads, dim)
@@ -201,9 +230,14 @@ class HeadStatistics:
     Heads are indexed by their original numbers: a pruned head has no rows and reads NaN.
 
     Example:
-        >>> stats = HeadStatistics.empty(layers=6, heads=12)
-        >>> stats.update(probs, kinds.masks(ids, mask), mask, causal=False)   # per batch
+        >>> stats = HeadStatistics.empty(layers=2, heads=4)
+        >>> probs = torch.full((1, 4, 3, 3), 1 / 3)                          # [B, H, T, T]: uniform heads
+        >>> kinds = torch.zeros(1, 3, 3, dtype=torch.bool)
+        >>> stats.update({0: probs}, kinds, None, causal=False)              # per batch; layer 1 not seen
         >>> stats["entropy"].mean(1)                                          # mean entropy per layer
+        tensor([1., nan])
+        >>> stats.to_dict()["to_self"]
+        [[0.333333, 0.333333, 0.333333, 0.333333], [None, None, None, None]]
     """
 
     sums: torch.Tensor
@@ -284,6 +318,10 @@ class RoleThresholds:
       fixed-offset baseline, overall or for one relation with at least `min_relation_words` scored words;
     - `dormant`: the head's mean output norm below this share of the median head's in its layer
       (it attends but writes next to nothing into the residual stream).
+
+    Example:
+        >>> RoleThresholds(broad=0.9)
+        RoleThresholds(positional=0.9, no_op=0.5, broad=0.9, syntactic_margin=0.1, min_relation_words=100, dormant=0.1)
     """
 
     positional: float = 0.9
@@ -296,7 +334,12 @@ class RoleThresholds:
 
 @dataclass(frozen=True)
 class HeadRole:
-    """The role of one head: its primary role, every label that applies, and the figures behind them."""
+    """The role of one head: its primary role, every label that applies, and the figures behind them.
+
+    Example:
+        >>> HeadRole(0, 3, "no-op", ("no-op",), "62% of attention on start/end specials").primary
+        'no-op'
+    """
 
     layer: int
     head: int
@@ -308,7 +351,15 @@ class HeadRole:
 
 @dataclass
 class HeadRoles:
-    """Roles of every head; `grid()` gives the primary roles `[layers][heads]`, `counts()` how many of each."""
+    """Roles of every head; `grid()` gives the primary roles `[layers][heads]`, `counts()` how many of each.
+
+    Example:
+        >>> roles = HeadRoles([HeadRole(0, 0, "broad", ("broad",), ""), HeadRole(0, 1, "other", (), "")])
+        >>> roles.grid(), roles.counts()["broad"], roles.of(0, 1).primary
+        ([['broad', 'other']], 1, 'other')
+        >>> roles.table()[0]
+        {'layer': 0, 'head': 0, 'role': 'broad', 'labels': 'broad', 'relations': '', 'evidence': ''}
+    """
 
     heads: list[HeadRole]
     thresholds: RoleThresholds = field(default_factory=RoleThresholds)
@@ -355,9 +406,15 @@ def head_roles(
     "other" without a label, "pruned" for a head with no rows.
 
     Example:
-        >>> roles = head_roles(analysis.statistics, analysis.syntax, RoleThresholds(broad=0.9))
-        >>> roles.of(1, 7).primary, roles.of(1, 7).evidence
-        ('positional', 'argmax on the previous token in 97% of rows')
+        >>> previous = torch.diag(torch.ones(3), -1); previous[0, 0] = 1.0   # attends to the previous token
+        >>> probs = torch.stack([previous, torch.full((4, 4), 0.25)])[None]   # [B, H, T, T]: 2 heads
+        >>> stats = HeadStatistics.empty(layers=1, heads=2)
+        >>> stats.update({0: probs}, torch.zeros(1, 4, 3, dtype=torch.bool), None, causal=False)
+        >>> roles = head_roles(stats, thresholds=RoleThresholds(broad=0.9))    # syntax=analysis.syntax: gold trees
+        >>> roles.of(0, 0).primary, roles.of(0, 0).evidence
+        ('positional', 'argmax on the previous token in 100% of rows')
+        >>> roles.of(0, 1).labels
+        ('broad',)
     """
     thresholds = thresholds or RoleThresholds()
     entropy, previous, following = statistics["entropy"], statistics["argmax_previous"], statistics["argmax_next"]

@@ -8,10 +8,20 @@
   2021); anisotropic models (GPT-2's outlier dimensions) read high too.
 
 Example:
+    >>> import attnreg
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert")
+    >>> mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 3, 0]]), "attention_mask": mask}
+    >>> with attnreg.attach(model).capture() as probs:
+    ...     output = model(**batch, output_hidden_states=True)
     >>> importance = token_importance(probs, batch["attention_mask"])          # [B, T]
-    >>> similarity = TokenSimilarity.empty(layers=6)
+    >>> importance.shape, importance.sum(-1)
+    (torch.Size([2, 4]), tensor([1.0000, 1.0000], grad_fn=<SumBackward1>))
+    >>> similarity = TokenSimilarity.empty(layers=2)
     >>> similarity.update(output.hidden_states, batch["attention_mask"])
-    >>> similarity.mean, similarity.collapsed(threshold=0.9)
+    >>> similarity.mean.shape, similarity.collapsed(threshold=0.9)
+    (torch.Size([3]), [])
 """
 
 from __future__ import annotations
@@ -34,9 +44,11 @@ def token_importance(
     real tokens.
 
     Example:
-        >>> with hub.capture() as probs:
-        ...     model(**batch)
-        >>> token_importance(probs, batch["attention_mask"]).topk(3)
+        >>> probs = {0: torch.tensor([[[[0.2, 0.5, 0.3], [0.3, 0.3, 0.4], [0.1, 0.1, 0.8]]]])}   # 1 layer, 1 head
+        >>> token_importance(probs)                           # the first token's row
+        tensor([[0.2000, 0.5000, 0.3000]])
+        >>> token_importance(probs, torch.tensor([[1, 1, 1]]), causal=True)   # the last real token's row
+        tensor([[0.1000, 0.1000, 0.8000]])
     """
     layers = list(probs.values()) if isinstance(probs, Mapping) else list(probs)
     if not layers:
@@ -59,6 +71,10 @@ def mean_token_similarity(hidden: torch.Tensor, attention_mask: torch.Tensor | N
 
     `hidden` is `[..., B, T, D]` (leading dimensions, layers say, are kept in the sums); sequences with
     fewer than two real tokens are not counted.
+
+    Example:
+        >>> mean_token_similarity(torch.ones(2, 3, 4))        # two sequences of identical tokens
+        (tensor(2.), 2)
     """
     real = torch.ones(hidden.shape[-3:-1], device=hidden.device) if attention_mask is None else attention_mask
     real = real.to(hidden.device, torch.float32)
@@ -76,6 +92,13 @@ class TokenSimilarity:
     """Running mean cosine similarity between token states, per layer `[layers + 1]` (0: the embeddings).
 
     `collapsed(threshold)` lists the layers whose similarity is above `threshold`.
+
+    Example:
+        >>> similarity = TokenSimilarity.empty(layers=1)
+        >>> states = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]])    # embeddings: spread out
+        >>> similarity.update([states, states[:, :1].expand(1, 3, 2)])       # layer 0: one vector for all
+        >>> similarity.mean, similarity.collapsed(threshold=0.9)
+        (tensor([-0.3333,  1.0000]), [1])
     """
 
     sums: torch.Tensor

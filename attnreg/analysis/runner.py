@@ -7,10 +7,20 @@ similarity only. Attention of all layers is captured for one batch at a time, re
 dropped: memory is about layers x batch x heads x tokens^2 floats, whatever the data size.
 
 Example:
-    >>> analysis = analyze(model, tokenizer, read_conllu("en_ewt-ud-dev.conllu"))
-    >>> analysis.statistics["entropy"]      # [layers, heads]
-    >>> analysis.syntax.relation_table(min_words=100)
-    >>> analysis.roles().counts()
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice
+    >>> sentences = [example.sentence for example in generate(8, seed=0)]   # or read_conllu("en_ewt-ud-dev.conllu")
+    >>> analysis = analyze(model, tokenizer, sentences, batch_size=4)
+    >>> analysis.statistics["entropy"].shape      # [layers, heads]
+    torch.Size([2, 4])
+    >>> analysis.syntax.relation_table(min_words=20)[1]
+    {'relation': 'det', 'words': 29, 'dependent_to_head_head': '0-0', 'dependent_to_head_accuracy': 20.7,
+     'head_to_dependent_head': '0-3', 'head_to_dependent_accuracy': 13.8, 'baseline_offset': 1,
+     'baseline_accuracy': 100.0}
+    >>> analysis.roles().counts()["broad"]        # a random model's heads attend everywhere
+    8
 """
 
 from __future__ import annotations
@@ -43,6 +53,18 @@ class Analysis:
     """What `analyze` found: per-head statistics, syntactic accuracy (gold trees only), token similarity.
 
     `sequences` and `tokens` count what was seen (real tokens); `seconds` is the wall time of the pass.
+
+    Example:
+        >>> from attnreg.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(vocabulary())
+        >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice
+        >>> sentences = [example.sentence for example in generate(8, seed=0)]   # or read_conllu("en_ewt-ud-dev.conllu")
+        >>> analysis = analyze(model, tokenizer, sentences, similarity=False)
+        >>> analysis.sequences, analysis.tokens, analysis.similarity
+        (8, 115, None)
+        >>> sorted(analysis.to_dict())
+        ['roles', 'seconds', 'sequences', 'statistics', 'syntax', 'tokens']
     """
 
     statistics: HeadStatistics | None
@@ -53,7 +75,14 @@ class Analysis:
     seconds: float = 0.0
 
     def roles(self, thresholds: RoleThresholds | None = None) -> HeadRoles:
-        """Head roles from the statistics (and the syntax, when there were gold trees)."""
+        """Head roles from the statistics (and the syntax, when there were gold trees).
+
+        Example:
+            >>> Analysis(statistics=None, syntax=None, similarity=None).roles()
+            Traceback (most recent call last):
+            ...
+            ValueError: roles need the head statistics: run analyze(..., statistics=True)
+        """
         if self.statistics is None:
             raise ValueError("roles need the head statistics: run analyze(..., statistics=True)")
         return head_roles(self.statistics, self.syntax, thresholds)
@@ -97,8 +126,15 @@ def analyze(
     heads keep their original numbers and removed ones read NaN.
 
     Example:
-        >>> analysis = analyze(model, tokenizer, sentences, statistics=True, syntax=True, similarity=True)
-        >>> analysis.syntax.best_head(), analysis.syntax.baseline(1)
+        >>> import torch
+        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(["the", "keys", "rattle", "."])
+        >>> model = tiny_model("gpt2", vocab=len(tokenizer))
+        >>> batches = [tokenizer(["the keys rattle .", "the keys"], padding=True, return_tensors="pt")]  # a DataLoader
+        >>> analysis = analyze(model, tokenizer, batches)      # tokenized batches: no syntax
+        >>> analysis.syntax, analysis.sequences, analysis.statistics["to_start"].shape
+        (None, 2, torch.Size([2, 4]))
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -162,8 +198,13 @@ def head_statistics(
     """Per-head statistics of `model` over `data` (see `analyze`).
 
     Example:
-        >>> stats = head_statistics(model, tokenizer, loader)
-        >>> stats["to_end"]          # [layers, heads]: attention on [SEP]
+        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(["the", "keys", "rattle", "."])
+        >>> loader = [tokenizer(["the keys rattle .", "the keys"], padding=True, return_tensors="pt")]
+        >>> stats = head_statistics(tiny_model("bert", vocab=len(tokenizer)), tokenizer, loader)
+        >>> stats["to_end"].shape          # [layers, heads]: attention on [SEP]
+        torch.Size([2, 4])
     """
     return analyze(
         model, tokenizer, data, batch_size, max_length, statistics=True, syntax=False, similarity=False
@@ -184,8 +225,16 @@ def parent_accuracy(
     are not scored. The model is attached to the hub and run in eval mode (its mode is restored).
 
     Example:
-        >>> result = parent_accuracy(model, tokenizer, read_conllu("en_ewt-ud-dev.conllu"))
-        >>> result.best_head(), result.baseline(1)
+        >>> from attnreg.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(vocabulary())
+        >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice
+        >>> sentences = [example.sentence for example in generate(8, seed=0)]   # or read_conllu("en_ewt-ud-dev.conllu")
+        >>> result = parent_accuracy(model, tokenizer, sentences)
+        >>> result.accuracy.shape, result.words
+        (torch.Size([2, 4]), 91)
+        >>> result.baseline(1, "det")                 # determiners precede their noun
+        1.0
     """
     if _as_sentences(sentences) is None:
         raise TypeError("parent_accuracy needs Sentence objects with gold trees (read_conllu, parse_texts)")

@@ -18,8 +18,13 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], ma
     share and some of those words when it is above `max_unknown`.
 
     Example:
-        >>> check_tokenizer(tokenizer, [sentence.text for sentence in sentences])
-        0.0
+        >>> from attnreg.task import build_tokenizer
+        >>> check_tokenizer(build_tokenizer(["the", "keys"]), ["the keys rattle"])   # "rattle" is unknown
+        0.333...
+        >>> check_tokenizer(build_tokenizer(["x"]), ["the keys rattle"])
+        Traceback (most recent call last):
+        ...
+        ValueError: the tokenizer cannot tokenize the text: 100% of the 3 words get only its unknown token ...
     """
     texts = list(texts)
     encoding = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)

@@ -1,7 +1,19 @@
 """Lightning callbacks: thin adapters that decide *when* attnreg's functions run.
 
 Example:
-    >>> trainer = lightning.Trainer(callbacks=[attnreg.EntropyRegularizer(mode="max", weight=0.01)])
+    >>> import lightning, torch
+    >>> from torch.utils.data import DataLoader
+    >>> from attnreg.modules import SequenceClassifier
+    >>> from attnreg.schedules import EarlyDropout
+    >>> from attnreg.tiny import tiny_model
+    >>> module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3)
+    >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}
+    >>> callbacks = [EntropyRegularizer(mode="max", weight=0.01), AttentionDropoutSchedule(EarlyDropout(0.1, 0.5))]
+    >>> trainer = lightning.Trainer(max_steps=2, callbacks=callbacks, logger=False, enable_checkpointing=False,
+    ...                             enable_progress_bar=False, enable_model_summary=False)
+    >>> trainer.fit(module, DataLoader([batch, batch], batch_size=None))
+    >>> sorted(trainer.callback_metrics)
+    ['attnreg/attention_dropout', 'attnreg/entropy', 'attnreg/entropy/layer0', 'attnreg/entropy/layer1', 'train/loss']
 """
 
 from attnreg.callbacks.dropout import AttentionDropoutSchedule

@@ -7,8 +7,14 @@ unbinds it in `teardown`. The method's attributes read and write through the cal
 `callback.layers`). `TermCallback` adds a loss term through `attnreg.AttnRegMixin`.
 
 Example:
-    >>> class EntropyRegularizer(TermCallback):
-    ...     method_class = attnreg.methods.Entropy      # takes Entropy's arguments
+    >>> from attnreg.methods import Entropy
+    >>> class Sharpen(TermCallback):
+    ...     method_class = Entropy                      # takes Entropy's arguments
+    >>> callback = Sharpen(mode="min", weight=0.1, layers=[0])
+    >>> callback.mode, callback.weight, callback.name   # the method's attributes
+    ('min', 0.1, 'entropy')
+    >>> "mode" in inspect.signature(Sharpen).parameters
+    True
 """
 
 from __future__ import annotations
@@ -27,7 +33,16 @@ from attnreg.mixin import AttnRegMixin, require_mixin
 
 class MethodCallback(L.Callback):
     """Runs one `attnreg.methods.Method` in a Lightning fit. A subclass names its `method_class` and
-    takes that class's arguments (its signature shows them)."""
+    takes that class's arguments (its signature shows them).
+
+    Example:
+        >>> from attnreg.methods import DropoutSchedule
+        >>> class Dropout(MethodCallback):
+        ...     method_class = DropoutSchedule
+        >>> callback = Dropout(0.1, layers=[0])
+        >>> callback.schedule, callback.method.layers_argument
+        (Constant(value=0.1), [0])
+    """
 
     method_class: type[Method] = Method
 
@@ -55,12 +70,27 @@ class MethodCallback(L.Callback):
 
     @property
     def state_key(self) -> str:
-        """Lightning's key for this callback's checkpoint state: distinct for differently set instances."""
+        """Lightning's key for this callback's checkpoint state: distinct for differently set instances.
+
+        Example:
+            >>> from attnreg.callbacks import EntropyRegularizer
+            >>> EntropyRegularizer(layers=[0]).state_key == EntropyRegularizer(layers=[1]).state_key
+            False
+        """
         return self._generate_state_key(**self.method.identity())
 
     def bind(self, trainer: L.Trainer | None, pl_module: L.LightningModule) -> None:
         """Bind the method to the module's transformers model, with a name no other attnreg method or
-        term of this fit holds."""
+        term of this fit holds.
+
+        Example:
+            >>> from attnreg.callbacks import AttentionDropoutSchedule
+            >>> from attnreg.tiny import tiny_model
+            >>> callback = AttentionDropoutSchedule(0.1)
+            >>> callback.bind(None, tiny_model("gpt2"))       # what `setup` does at the start of fit
+            >>> callback.name, callback.layers
+            ('attention_dropout', (0, 1))
+        """
         taken = set(pl_module.attnreg_terms) if isinstance(pl_module, AttnRegMixin) else set()
         others = trainer.callbacks if trainer is not None else []
         taken |= {c.method.name for c in others if isinstance(c, MethodCallback) and c is not self and c.method.hub}
@@ -86,7 +116,18 @@ class MethodCallback(L.Callback):
 
 class TermCallback(MethodCallback):
     """Adds a `LossTerm`'s weighted term to every training loss through `attnreg.AttnRegMixin`, logged
-    as `attnreg/<name>`, with the method's figures as `attnreg/<figure>`."""
+    as `attnreg/<name>`, with the method's figures as `attnreg/<figure>`.
+
+    Example:
+        >>> from attnreg.callbacks import EntropyRegularizer
+        >>> from attnreg.modules import SequenceClassifier
+        >>> from attnreg.tiny import tiny_model
+        >>> module = SequenceClassifier(tiny_model("bert", head="classification"))
+        >>> callback = EntropyRegularizer(layers=[1])
+        >>> callback.setup(None, module, stage="fit")              # what fit does first
+        >>> module.attnreg_terms["entropy"].layers
+        (1,)
+    """
 
     method: LossTerm
 
@@ -99,7 +140,14 @@ class TermCallback(MethodCallback):
         self._module = module
 
     def current_weight(self) -> float:
-        """The weight at the module's current global step."""
+        """The weight at the module's current global step.
+
+        Example:
+            >>> from attnreg.callbacks import EntropyRegularizer
+            >>> from attnreg.schedules import Linear
+            >>> EntropyRegularizer(weight=Linear(0.1, 0.0)).current_weight()    # step 0 before fit
+            0.1
+        """
         module = self.__dict__.get("_module")
         step = module.global_step if module is not None and module._trainer is not None else 0
         return self.method.current_weight(step)

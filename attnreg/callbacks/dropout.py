@@ -2,8 +2,11 @@
 Lightning (a thin adapter of `attnreg.methods.DropoutSchedule`).
 
 Example:
+    >>> import lightning
     >>> from attnreg.schedules import EarlyDropout
-    >>> trainer = lightning.Trainer(callbacks=[AttentionDropoutSchedule(EarlyDropout(0.1, cutoff=0.25))])
+    >>> trainer = lightning.Trainer(callbacks=[AttentionDropoutSchedule(EarlyDropout(0.1, cutoff=0.25))], logger=False)
+    >>> trainer.callbacks[0].schedule
+    EarlyDropout(rate=0.1, cutoff=0.25, shape='constant')
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ class AttentionDropoutSchedule(MethodCallback):
     exactly one transformers model (no mixin needed). After `fit` the model's own rates are restored.
 
     Example:
-        >>> AttentionDropoutSchedule(CurriculumDropout(final=0.1, gamma=10.0), layers=[4, 5], hidden=0.1)
+        >>> from attnreg.schedules import CurriculumDropout
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> dropout = AttentionDropoutSchedule(CurriculumDropout(final=0.1, gamma=10.0), layers=[0], hidden=0.1)
+        >>> dropout.bind(None, model); dropout.start(100)     # what fit does (here without a trainer)
+        >>> dropout.before_step(50)                           # before step 50 of 100
+        {'attention_dropout': 0.0993..., 'hidden_dropout': 0.1}
+        >>> model.bert.encoder.layer[0].output.dropout.p, model.bert.encoder.layer[1].output.dropout.p
+        (0.1, 0.0)
     """
 
     method_class = DropoutSchedule

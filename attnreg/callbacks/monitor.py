@@ -7,9 +7,23 @@ x heads of the batch's first example (`attnreg/monitor/attention`), when matplot
 not `attnreg.AttnRegMixin`.
 
 Example:
-    >>> monitor = attnreg.AttentionMonitor(every_n_steps=50, gold_sentences=dev[:64], tokenizer=tokenizer)
-    >>> lightning.Trainer(callbacks=[monitor], logger=CSVLogger("logs")).fit(module, loader)
-    >>> monitor.entropy            # [layers, heads] at the last check
+    >>> from torch.utils.data import DataLoader
+    >>> from attnreg.modules import SequenceClassifier
+    >>> from attnreg.syntax import SyntaxCollator
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer, examples = build_tokenizer(vocabulary()), generate(4, seed=0)
+    >>> monitor = AttentionMonitor(every_n_steps=1, gold_sentences=[e.sentence for e in examples], tokenizer=tokenizer)
+    >>> module = SequenceClassifier(tiny_model("bert", head="classification", vocab=len(tokenizer)))
+    >>> loader = DataLoader([{"sentence": e.sentence, "label": e.label} for e in examples], batch_size=2,
+    ...                     collate_fn=SyntaxCollator(tokenizer))
+    >>> L.Trainer(max_steps=1, callbacks=[monitor], logger=False, enable_checkpointing=False,
+    ...           enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
+    >>> monitor.entropy.shape      # [layers, heads] at the last check
+    torch.Size([2, 4])
+    >>> [name for name in monitor.metrics if "head" not in name]
+    ['attnreg/monitor/entropy/layer0', 'attnreg/monitor/entropy/layer1', 'attnreg/monitor/parent_accuracy/best',
+     'attnreg/monitor/parent_accuracy/layer0', 'attnreg/monitor/parent_accuracy/layer1']
 """
 
 from __future__ import annotations
@@ -30,7 +44,13 @@ __all__ = ["AttentionMonitor", "EntropyCollapseWarning"]
 
 class AttentionMonitor(MethodCallback):
     """Logs per-head attention entropy (and parent accuracy on a gold set) every N steps; flags collapse
-    (`attnreg.methods.Monitor`)."""
+    (`attnreg.methods.Monitor`).
+
+    Example:
+        >>> monitor = AttentionMonitor(every_n_steps=50, on_collapse="stop")
+        >>> [step for step in (0, 49, 50, 100) if monitor.due(step)]     # it checks after these steps
+        [0, 50, 100]
+    """
 
     method_class = Monitor
 

@@ -11,8 +11,8 @@ decay included), chosen from `trainer.current_epoch` at every epoch start, so a 
 
 Example:
     >>> from attnreg.schedules import Linear, Warmup
-    >>> lightning.Trainer(callbacks=[LayerwiseLR(lr=2e-5, decay=0.95, weight_decay=0.01,
-    ...                                          schedule=Warmup(0.06, Linear(1.0, 0.0)))])
+    >>> llrd = LayerwiseLR(lr=2e-5, decay=0.95, weight_decay=0.01, schedule=Warmup(0.06, Linear(1.0, 0.0)))
+    >>> trainer = L.Trainer(callbacks=[llrd, FreezeLayers(["embeddings"], epochs=1)], logger=False)
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ class LayerwiseLR(MethodCallback):
     `configure_optimizers` (Lightning checks for one before callbacks run); its optimizer is not used.
 
     Example:
-        >>> LayerwiseLR(lr=1e-4, decay=0.8, multipliers={"head": 10.0, "gates": 100.0}, freeze=["embeddings"])
+        >>> from attnreg.tiny import tiny_model
+        >>> llrd = LayerwiseLR(lr=1e-4, decay=0.8, multipliers={"head": 10.0, "gates": 100.0}, freeze=["embeddings"])
+        >>> optimizer = llrd.build_optimizer(tiny_model("bert", head="classification"))   # what fit trains with
+        >>> type(optimizer).__name__, [group["name"] for group in optimizer.param_groups]
+        ('AdamW', ['layer0', 'layer1', 'head'])
     """
 
     method_class = methods.LayerwiseLR
@@ -67,7 +71,15 @@ class FreezeLayers(MethodCallback):
     strategy that finds unused parameters. `requires_grad` is restored after `fit`.
 
     Example:
-        >>> FreezeLayers(["embeddings", 0, 1], epochs=1)    # train the upper layers and head first
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> freeze = FreezeLayers(["embeddings", 0], epochs=1)      # train layer 1 and the head first
+        >>> freeze.bind(None, model); freeze.before_epoch(0)        # what fit does, at epoch 0
+        >>> embeddings, top = model.embeddings.word_embeddings.weight, model.encoder.layer[1].output.dense.weight
+        >>> embeddings.requires_grad, top.requires_grad
+        (False, True)
+        >>> freeze.before_epoch(1); embeddings.requires_grad
+        True
     """
 
     method_class = methods.FreezeLayers

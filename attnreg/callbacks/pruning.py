@@ -11,9 +11,12 @@ is done by `attnreg.pruning`.
 Example:
     >>> from attnreg.methods import HardConcreteGates, L1Gates, Removal
     >>> from attnreg.schedules import Constant, Warmup
-    >>> attnreg.HeadGating(L1Gates(weight=Warmup(0.1, Constant(0.01))))       # removal at the end of fit
-    >>> attnreg.HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=36))
-    >>> attnreg.HeadGating(removal=Removal(milestones=[(0.3, 60), (0.6, 48), (0.8, 36)]))
+    >>> HeadGating(L1Gates(weight=Warmup(0.1, Constant(0.01)))).removal.during_training   # removal at the end of fit
+    False
+    >>> HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=36)).lagrangian      # CoFi's Lagrangian to 36
+    True
+    >>> HeadGating(removal=Removal(milestones=[(0.3, 60), (0.6, 48), (0.8, 36)])).removal.during_training
+    True
 """
 
 from __future__ import annotations
@@ -44,9 +47,18 @@ class HeadGating(TermCallback):
     `on_load_checkpoint` (the mixin does it).
 
     Example:
-        >>> gating = attnreg.HeadGating(HardConcreteGates(), Removal(milestones=[(0.3, 60), (0.5, 50), (0.7, 43)]))
-        >>> lightning.Trainer(callbacks=[gating]).fit(module, loader)
-        >>> gating.removed   # {layer: original numbers of the heads chosen}; gating.rounds: each removal
+        >>> import torch
+        >>> from torch.utils.data import DataLoader
+        >>> from attnreg.methods import L1Gates, Removal
+        >>> from attnreg.modules import SequenceClassifier
+        >>> from attnreg.tiny import tiny_model
+        >>> module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3, gate_lr=0.1)
+        >>> gating = HeadGating(L1Gates(weight=0.01), Removal(keep=6))        # keep 6 of the 8 heads
+        >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}
+        >>> L.Trainer(max_steps=2, callbacks=[gating], logger=False, enable_checkpointing=False,
+        ...           enable_progress_bar=False, enable_model_summary=False).fit(module, DataLoader([batch], None))
+        >>> gating.report.num_removed, gating.report.heads        # gating.removed: original numbers per layer
+        (2, {0: (3, 3), 1: (3, 3)})
     """
 
     method_class = Gating
@@ -83,7 +95,11 @@ class HeadGating(TermCallback):
     def prune(
         self, trainer: L.Trainer, pl_module: L.LightningModule, keep: int | None = None, final: bool = True
     ) -> pruning.PruneReport:
-        """Remove heads now (all but the `keep` best, default the removal's, else below its threshold)."""
+        """Remove heads now (all but the `keep` best, default the removal's, else below its threshold).
+
+        Called by the hooks when `Removal` says; call it yourself (from a hook of yours, with the trainer)
+        to prune at another moment. Returns what `attnreg.pruning.prune_heads` did.
+        """
         method = self.method
         keep = method.removal.keep if keep is None else keep
         positions = trainer.strategy.broadcast(method.choose(keep), src=0)
@@ -114,7 +130,14 @@ class HeadImportance(MethodCallback):
     iteratively (`attnreg.methods.HeadImportance`). After fit: `scores` and `curve`.
 
     Example:
-        >>> importance = attnreg.HeadImportance(dev_loader, metric_fn=lambda m: accuracy(m, dev), fraction=0.1)
+        >>> import torch
+        >>> from attnreg.tiny import tiny_model
+        >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}
+        >>> importance = HeadImportance([batch])      # any iterable of batches: a DataLoader, say
+        >>> importance.bind(None, tiny_model("bert", head="classification"))
+        >>> importance.on_train_end(None, None)       # what the end of fit does
+        >>> {layer: tuple(scores.shape) for layer, scores in importance.scores.items()}   # a score per head
+        {0: (4,), 1: (4,)}
     """
 
     method_class = Importance

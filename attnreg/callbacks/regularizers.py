@@ -7,7 +7,11 @@ beside it (`attnreg/<name>/layer<l>`: mean entropy, or KL). `name` left at None 
 or `<default>_2`, ... when another callback holds it; two callbacks given one explicit name are an error.
 
 Example:
-    >>> trainer = lightning.Trainer(callbacks=[attnreg.SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0])])
+    >>> import lightning
+    >>> kl, entropy = SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0]), EntropyRegularizer(mode="max", weight=0.01)
+    >>> trainer = lightning.Trainer(callbacks=[kl, entropy], logger=False)
+    >>> kl.name, entropy.name           # the names of their terms in the loss and the logs
+    ('prior_kl', 'entropy')
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ class AttentionLoss(TermCallback):
     """Adds `weight * fn(probs, batch)` to the training loss (`attnreg.methods.AttentionPenalty`).
 
     Example:
-        >>> attnreg.AttentionLoss(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
+        >>> spread = AttentionLoss(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
+        >>> spread.name, spread.layers, spread.weight
+        ('spread', [0], 0.1)
     """
 
     method_class = AttentionPenalty
@@ -30,7 +36,9 @@ class EntropyRegularizer(TermCallback):
     """Entropy regularization of attention heads: sharpen, flatten or hold in a band (`attnreg.methods.Entropy`).
 
     Example:
-        >>> attnreg.EntropyRegularizer(mode="target", target=(0.3, 0.8), layers=[4, 5], weight=0.1)
+        >>> entropy = EntropyRegularizer(mode="target", target=(0.3, 0.8), layers=[4, 5], weight=0.1)
+        >>> entropy.mode, entropy.target, entropy.layers
+        ('target', (0.3, 0.8), [4, 5])
     """
 
     method_class = Entropy
@@ -40,8 +48,10 @@ class SyntaxPriorKL(TermCallback):
     """KL(prior ‖ attention) for chosen heads, the prior read from the batch (`attnreg.methods.PriorKL`).
 
     Example:
-        >>> attnreg.SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0])
-        >>> attnreg.SyntaxPriorKL(heads={0: [3], 1: [4], 2: [8]})   # one chosen head per layer
+        >>> SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0]).heads   # head 0 of layers 0 and 1
+        [0]
+        >>> SyntaxPriorKL(heads={0: [3], 1: [4], 2: [8]}).layers          # one chosen head per layer
+        [0, 1, 2]
     """
 
     method_class = PriorKL

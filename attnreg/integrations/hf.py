@@ -23,13 +23,26 @@ read (a syntax prior) are kept from the model, and kept through `remove_unused_c
 `sentence` and `label` fields a `SyntaxCollator` needs. Needs the `hf` extra (`accelerate`).
 
 Example:
+    >>> import tempfile
+    >>> from transformers import TrainingArguments
     >>> from attnreg import methods
+    >>> from attnreg.syntax import SyntaxCollator
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> dataset = [{"sentence": example.sentence, "label": example.label} for example in generate(8, seed=0)]
+    >>> args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+    ...                          save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
     >>> trainer = AttnRegTrainer(
-    ...     model=model, args=TrainingArguments("out", max_steps=1000), train_dataset=dataset,
+    ...     model=tiny_model("bert", head="classification", vocab=len(tokenizer)), args=args, train_dataset=dataset,
     ...     data_collator=SyntaxCollator(tokenizer),
-    ...     methods=[methods.PriorKL(heads={4: [9]}, weight=0.04), methods.Entropy(mode="max", weight=0.01)],
+    ...     methods=[methods.PriorKL(heads={1: [0]}, weight=0.1), methods.Entropy(mode="max", weight=0.01)],
     ... )
-    >>> trainer.train()
+    >>> output = trainer.train()                # the Trainer prints its logs, with attnreg's figures
+    {'loss': ..., 'attnreg/prior_kl': ..., 'attnreg/entropy': ...}
+    >>> sorted(name for name in trainer.state.log_history[0] if name.startswith("attnreg"))
+    ['attnreg/entropy', 'attnreg/entropy/layer0', 'attnreg/entropy/layer1', 'attnreg/prior_kl',
+     'attnreg/prior_kl/layer1']
 """
 
 from __future__ import annotations
@@ -67,7 +80,18 @@ class AttnRegTrainer(Trainer):
     """A `transformers.Trainer` that runs attnreg `methods` (see the module docstring).
 
     Example:
-        >>> AttnRegTrainer(model=model, args=args, train_dataset=data, methods=[attnreg.methods.Entropy()])
+        >>> import tempfile
+        >>> from transformers import TrainingArguments
+        >>> from attnreg.methods import DropoutSchedule, Entropy
+        >>> from attnreg.tiny import tiny_model
+        >>> args = TrainingArguments(tempfile.mkdtemp(), max_steps=10, report_to=[], use_cpu=True)
+        >>> trainer = AttnRegTrainer(model=tiny_model("gpt2", head="causal_lm"), args=args,
+        ...                          methods=[Entropy(), Entropy(layers=[0]), DropoutSchedule(0.1)])
+        >>> [method.name for method in trainer.attnreg_methods]      # bound to the model, each its own name
+        ['entropy', 'entropy_2', 'attention_dropout']
+        >>> trainer.save_method_state(args.output_dir)                # as with every checkpoint
+        >>> sorted(json.loads(Path(args.output_dir, STATE_FILE).read_text()))
+        ['attention_dropout', 'entropy', 'entropy_2']
     """
 
     def __init__(self, *args: Any, methods: Sequence[Method] = (), **kwargs: Any) -> None:

@@ -12,12 +12,19 @@ The life of a method, as an adapter drives it:
 4. `state_dict()` / `load_state_dict()` with the checkpoint; `unbind()` after training.
 
 Example:
+    >>> import torch
+    >>> from attnreg.methods import Entropy
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert", head="classification")
+    >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}
     >>> method = Entropy(mode="max", layers=[0], weight=0.01)
     >>> method.bind(model, taken=set())
     >>> method.start(estimated_steps=1000)
-    >>> with method.hub.capture(method.layers) as probs:
+    >>> with method.hub.capture(method.layers, inputs=method.inputs) as record:   # inputs: the blockwise path
     ...     loss = model(**batch).loss
-    >>> value, logs = method.term(probs, batch, step=0)     # weighted term; figures to log
+    >>> value, logs = method.term(record, batch, step=0)     # weighted term; figures to log
+    >>> round(value.item(), 4), {name: round(figure.item(), 3) for name, figure in logs.items()}
+    (-0.01, {'entropy/layer0': 1.0})
 """
 
 from __future__ import annotations
@@ -38,6 +45,17 @@ class Method:
     or `<default_name>_2`, `_3`, ... when another method holds it, so two methods of one class both act.
     Two methods given the same explicit name are an error. `needs` says what the batches (or the app)
     must provide: "prior" (a syntax prior per batch), "gold_trees", "tokenizer".
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> method = Method(total_steps=10)
+        >>> method.bind(tiny_model("bert"), taken={"method"})
+        >>> method.name, method.hub.num_layers
+        ('method_2', 2)
+        >>> method.start(estimated_steps=8.0); method.progress(5)     # total_steps wins over the estimate
+        0.5
+        >>> method.state_dict()
+        {'total_steps': 10}
     """
 
     default_name = "method"
@@ -69,7 +87,17 @@ class Method:
         self.length.start(estimated_steps, any(changes_over_training(s) for s in self.schedules()))
 
     def unbind(self) -> None:
-        """Undo what `bind` changed on the model that should not outlive training (nothing by default)."""
+        """Undo what `bind` changed on the model that should not outlive training (nothing by default).
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> method = Method()
+            >>> method.bind(tiny_model("gpt2")); method.unbind()
+            >>> method.require_bound()
+            Traceback (most recent call last):
+            ...
+            RuntimeError: Method 'method' is used before bind(model)
+        """
         self.model = self.hub = None
 
     def progress(self, step: int) -> float:

@@ -8,9 +8,14 @@ module is not training, and the hub only overrides the rate in training.
 
 Example:
     >>> from attnreg.schedules import EarlyDropout
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert", head="classification")
     >>> dropout = DropoutSchedule(EarlyDropout(0.1, cutoff=0.25), hidden=0.1)
     >>> dropout.bind(model, taken=set()); dropout.start(estimated_steps=1000)
-    >>> dropout.before_step(step=100)        # {"attention_dropout": 0.1, "hidden_dropout": 0.1}
+    >>> dropout.before_step(step=100), dropout.before_step(step=500)
+    ({'attention_dropout': 0.1, 'hidden_dropout': 0.1}, {'attention_dropout': 0.0, 'hidden_dropout': 0.1})
+    >>> dropout.unbind(); model.bert.encoder.layer[0].output.dropout.p    # the model's own rate again
+    0.0
 """
 
 from __future__ import annotations
@@ -32,7 +37,13 @@ def hidden_dropout_modules(model: nn.Module, family: Family, layers: Iterable[in
     blocks. GPT-2's `resid_dropout` is one (it sits in the attention module but drops its output).
 
     Example:
-        >>> for module in hidden_dropout_modules(model, detect_family(model), layers=[4, 5]):
+        >>> from attnreg.families import detect_family
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> family = detect_family(model)
+        >>> len(hidden_dropout_modules(model, family)), len(hidden_dropout_modules(model, family, layers=[1]))
+        (6, 2)
+        >>> for module in hidden_dropout_modules(model, family, layers=[1]):
         ...     module.p = 0.2
     """
     blocks = family.blocks(model)
@@ -57,6 +68,14 @@ class DropoutSchedule(Method):
     - `total_steps`: the steps the schedule spans; by default the trainer's estimate (`attnreg.progress`).
 
     `name` and `hidden_name` are the names of the logged rates. `unbind` restores the model's own rates.
+
+    Example:
+        >>> from attnreg.schedules import Linear
+        >>> from attnreg.tiny import tiny_model
+        >>> dropout = DropoutSchedule(Linear(0.2, 0.0), layers=[1])
+        >>> dropout.bind(tiny_model("llama"), taken=set()); dropout.start(estimated_steps=10)
+        >>> dropout.before_step(5), dropout.hub.attention_dropout(1), dropout.hub.attention_dropout(0)
+        ({'attention_dropout': 0.1}, 0.1, 0.0)
     """
 
     default_name = "attention_dropout"
@@ -145,7 +164,15 @@ class DropoutSchedule(Method):
 
 
 def check_rates(schedule: Callable[[float], float], total_steps: int, label: str) -> None:
-    """Raise unless `schedule` gives a dropout rate in [0, 1) at every one of `total_steps` steps."""
+    """Raise unless `schedule` gives a dropout rate in [0, 1) at every one of `total_steps` steps.
+
+    Example:
+        >>> from attnreg.schedules import Linear
+        >>> check_rates(Linear(0.0, 1.5), total_steps=4, label="attention_dropout")
+        Traceback (most recent call last):
+        ...
+        ValueError: attention_dropout: the schedule gives 1.125 at step 3 of 4 (progress 0.75); ...
+    """
     for step, rate in enumerate(schedule_values(schedule, total_steps)):
         if not 0.0 <= rate < 1.0:
             raise ValueError(

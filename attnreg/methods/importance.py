@@ -1,9 +1,13 @@
 """Head importance after training (Michel et al. 2019) as a method object, with optional iterative pruning.
 
 Example:
-    >>> importance = HeadImportance(dev_loader, metric_fn=lambda m: accuracy(m, dev), fraction=0.1)
-    >>> importance.bind(model)
-    >>> importance.at_end()          # importance.scores, importance.curve
+    >>> from attnreg.tiny import tiny_model
+    >>> dev = [{"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}]
+    >>> importance = HeadImportance(dev)        # add metric_fn=... to prune iteratively
+    >>> importance.bind(tiny_model("bert", head="classification"))
+    >>> importance.at_end()                     # importance.scores, importance.curve
+    >>> {layer: [round(float(score.norm()), 4), len(score)] for layer, score in importance.scores.items()}
+    {0: [1.0, 4], 1: [1.0, 4]}
 """
 
 from __future__ import annotations
@@ -23,6 +27,20 @@ class HeadImportance(Method):
 
     `dataloader` yields dict batches for `model(**batch)` (with labels, or pass `loss_fn`).
     After training: `scores` (per layer, current head positions) and `curve` (`attnreg.pruning.PruningStep`s).
+
+    Example:
+        >>> from attnreg.pruning import pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification", layers=1)
+        >>> dev = [{"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}]
+        >>> def accuracy(model):
+        ...     return float((model(**dev[0]).logits.argmax(-1) == dev[0]["labels"]).float().mean())
+        >>> importance = HeadImportance(dev, metric_fn=accuracy, fraction=0.5, stop_ratio=0.9)
+        >>> importance.bind(model); importance.at_end()
+        >>> [(step.heads_removed, step.metric) for step in importance.curve]   # an untrained model needs no head
+        [(0, 0.5), (2, 0.5), (4, 0.5)]
+        >>> pruned_heads(model)
+        {0: (0, 1, 2, 3)}
     """
 
     default_name = "head_importance"

@@ -13,10 +13,16 @@ layer and step, and with `on_collapse="stop"` the check asks the run to stop. Ad
 and, where they can, draw the captured attention (`MonitorCheck.probs`).
 
 Example:
-    >>> monitor = Monitor(every_n_steps=50, gold_sentences=dev[:64], tokenizer=tokenizer)
-    >>> monitor.bind(model)
-    >>> if monitor.due(step):
-    ...     check = monitor.check(batch, step)     # check.metrics, check.stop
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer, sentences = build_tokenizer(vocabulary()), [example.sentence for example in generate(4, seed=0)]
+    >>> monitor = Monitor(every_n_steps=50, gold_sentences=sentences, tokenizer=tokenizer)
+    >>> monitor.bind(tiny_model("bert", head="classification", vocab=len(tokenizer)))
+    >>> batch = tokenizer([sentence.text for sentence in sentences], padding=True, return_tensors="pt")
+    >>> if monitor.due(step=0):
+    ...     check = monitor.check(batch, step=0)     # check.metrics, check.stop
+    >>> check.stop, check.entropy.shape, round(check.metrics["attnreg/monitor/parent_accuracy/best"], 3)
+    (False, torch.Size([2, 4]), 0.167)
 """
 
 from __future__ import annotations
@@ -37,13 +43,36 @@ from attnreg.syntax.trees import Sentence
 
 
 class EntropyCollapseWarning(UserWarning):
-    """A layer's mean normalized attention entropy fell below the monitor's threshold."""
+    """A layer's mean normalized attention entropy fell below the monitor's threshold.
+
+    Example:
+        >>> import warnings
+        >>> from attnreg.tiny import tiny_model
+        >>> monitor = Monitor(collapse_threshold=0.2)
+        >>> monitor.bind(tiny_model("bert"))
+        >>> monitor.hub.set_temperature(1e-4)                  # near one-hot attention: collapsed
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("error", EntropyCollapseWarning)
+        ...     monitor.check({"input_ids": torch.tensor([[2, 5, 6, 7, 8, 3]])}, step=7)
+        Traceback (most recent call last):
+        ...
+        attnreg.methods.monitor.EntropyCollapseWarning: attention entropy collapse at step 7: mean normalized ...
+    """
 
 
 @dataclass(frozen=True)
 class MonitorCheck:
     """What one check measured: the metrics to log, entropy `[layers, heads]` (NaN for pruned heads),
-    the captured attention and mask of the batch (for heatmaps), and whether the run should stop."""
+    the captured attention and mask of the batch (for heatmaps), and whether the run should stop.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> monitor = Monitor(every_n_steps=10, log_heads=False)
+        >>> monitor.bind(tiny_model("gpt2"))
+        >>> check = monitor.check({"input_ids": torch.tensor([[5, 6, 7, 8]])}, step=10)
+        >>> sorted(check.metrics), list(check.probs), check.stop
+        (['attnreg/monitor/entropy/layer0', 'attnreg/monitor/entropy/layer1'], [0, 1], False)
+    """
 
     metrics: dict[str, float]
     entropy: torch.Tensor
@@ -67,6 +96,16 @@ class Monitor(Method):
 
     After each check, `entropy` holds `[layers, heads]`, `metrics` what was logged, and `collapses`
     lists every `(step, layer, entropy)` flagged so far.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> monitor = Monitor(every_n_steps=50, collapse_threshold=0.1, on_collapse="stop")
+        >>> monitor.bind(tiny_model("bert"))
+        >>> [step for step in (0, 49, 50, 100) if monitor.due(step)]
+        [0, 50, 100]
+        >>> check = monitor.check({"input_ids": torch.tensor([[2, 5, 6, 3]])}, step=50)
+        >>> monitor.entropy.shape, monitor.collapses, monitor.due(50)    # checked once per step
+        (torch.Size([2, 4]), [], False)
     """
 
     default_name = "monitor"

@@ -8,10 +8,14 @@ scheduler step) and step the factor every optimizer step.
 
 Example:
     >>> from attnreg.schedules import Linear, Warmup
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert", head="classification")
     >>> llrd = LayerwiseLR(lr=2e-5, decay=0.95, weight_decay=0.01, schedule=Warmup(0.06, Linear(1.0, 0.0)))
-    >>> llrd.bind(model, taken=set()); llrd.start(estimated_steps=1000)
+    >>> llrd.bind(model, taken=set()); llrd.start(estimated_steps=100)
     >>> optimizer = llrd.build_optimizer(model)          # AdamW over the named layer groups
     >>> scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, llrd.factor)
+    >>> [round(llrd.factor(step), 3) for step in (0, 3, 6, 53, 99)]     # warmup over 6 steps, then decay
+    [0.0, 0.5, 1.0, 0.5, 0.011]
 """
 
 from __future__ import annotations
@@ -44,6 +48,15 @@ class LayerwiseLR(Method):
       stepped every optimizer step; `Warmup(0.06, Linear(1.0, 0.0))` is linear warmup and decay.
     - `total_steps`: the steps the schedule spans; by default the trainer's estimate (`attnreg.progress`:
       a run resumed with more steps re-stretches the schedule over them, with a warning).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> llrd = LayerwiseLR(lr=0.1, optimizer="SGD", optimizer_kwargs={"momentum": 0.9}, freeze=["embeddings"])
+        >>> optimizer = llrd.build_optimizer(tiny_model("gpt2", head="causal_lm"))
+        >>> type(optimizer).__name__, [group["name"] for group in optimizer.param_groups]
+        ('SGD', ['layer0', 'layer1', 'head'])
+        >>> llrd.factor(10)                                   # no schedule: a constant factor
+        1.0
     """
 
     default_name = "layerwise_lr"
@@ -86,7 +99,16 @@ class LayerwiseLR(Method):
 
 
 def optimizer_factory(optimizer: str | Callable[..., Optimizer]) -> Callable[..., Optimizer]:
-    """A `torch.optim` class by name, or the callable given."""
+    """A `torch.optim` class by name, or the callable given.
+
+    Example:
+        >>> optimizer_factory("SGD")
+        <class 'torch.optim.sgd.SGD'>
+        >>> optimizer_factory("Adamm")
+        Traceback (most recent call last):
+        ...
+        ValueError: optimizer='Adamm' is not a torch.optim optimizer (AdamW, Adam, SGD, ...)
+    """
     if isinstance(optimizer, str):
         found = getattr(torch.optim, optimizer, None)
         if not (isinstance(found, type) and issubclass(found, Optimizer)):
@@ -106,8 +128,18 @@ class FreezeLayers(Method):
     `unbind` restores `requires_grad`.
 
     Example:
-        >>> freeze = FreezeLayers(["embeddings", 0, 1], epochs=1)    # train the upper layers and head first
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> freeze = FreezeLayers(["embeddings", 0, 1], epochs=1)    # train the pooler first
         >>> freeze.bind(model); freeze.before_epoch(0)               # frozen; before_epoch(1) unfreezes
+        >>> [name for name, param in model.named_parameters() if param.requires_grad]
+        ['pooler.dense.weight', 'pooler.dense.bias']
+        >>> freeze.check_optimizer([torch.optim.SGD(model.pooler.parameters(), lr=0.1)])
+        Traceback (most recent call last):
+        ...
+        ValueError: FreezeLayers: 37 parameters of groups ['embeddings', 0, 1] are not in any optimizer, ...
+        >>> freeze.unbind(); all(param.requires_grad for param in model.parameters())
+        True
     """
 
     default_name = "freeze_layers"

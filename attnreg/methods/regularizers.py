@@ -6,11 +6,18 @@ Heads are given by their original numbers, which stay valid when pruning removes
 head pruned away drops out of the term, said once in a warning.
 
 Example:
-    >>> kl = PriorKL(weight=Linear(1.0, 0.5), heads={0: [3], 1: [4]})
-    >>> kl.bind(model, taken=set()); kl.start(estimated_steps=1000)
-    >>> with kl.hub.capture(kl.layers) as probs:
-    ...     loss = model(**inputs).loss
-    >>> value, logs = kl.term(probs, batch, step=10)   # batch["attnreg_prior"] holds the prior
+    >>> import torch, attnreg
+    >>> from attnreg.schedules import Linear
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert")                                      # 2 layers x 4 heads
+    >>> kl = PriorKL(weight=Linear(1.0, 0.5), heads={0: [3], 1: [2]})
+    >>> kl.bind(model); kl.start(1000)                                  # 1,000 optimizer steps in all
+    >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attnreg_prior": torch.tensor([[1, -1, 1, 2]])}
+    >>> with attnreg.attach(model).capture(kl.layers, inputs=kl.inputs) as record:
+    ...     loss = model(input_ids=batch["input_ids"]).last_hidden_state.pow(2).mean()
+    >>> value, logs = kl.term(record, batch, step=500)                  # weighted at 0.75
+    >>> loss = loss + value; sorted(logs)
+    ['prior_kl/layer0', 'prior_kl/layer1']
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 from torch import nn
 
 from attnreg import blockwise
-from attnreg.hub import AttentionRecord
+from attnreg.hub import AttentionRecord, LayerInputs
 from attnreg.losses import EntropyMode, HeadReduction, attention_entropy, entropy_penalty, prior_kl
 from attnreg.methods.base import Method
 from attnreg.pruning import head_numbers, pruned_heads
@@ -41,6 +48,13 @@ class LossTerm(Method):
     `heads`: the same heads in every chosen layer, or a mapping `{layer: heads}` (whose keys are then
     the layers), by original number. `inputs`: whether the term reads each layer's `LayerInputs`
     (`hub.capture(..., inputs=True)`: the layer stays on SDPA) rather than its probabilities.
+
+    Example:
+        >>> class MeanAttention(LossTerm):                               # attention paid to the first key
+        ...     def value(self, probs, batch):
+        ...         return torch.stack([probs[layer][..., 0].mean() for layer in self.layers]).mean(), {}
+        >>> MeanAttention(layers=[0, 1], weight=0.5).weight
+        0.5
     """
 
     inputs = False
@@ -123,6 +137,19 @@ class LossTerm(Method):
             active[layer] = None if chosen is None else [numbers.index(head) for head in chosen if head in numbers]
         return active
 
+    def captured(self, record: AttentionRecord, layer: int) -> torch.Tensor | LayerInputs:
+        """What `record` holds for `layer`, checked to be what this term reads (`LayerInputs` if
+        `self.inputs`, else probabilities), so a capture of the wrong kind fails naming the fix."""
+        captured = record[layer]
+        if isinstance(captured, LayerInputs) != self.inputs:
+            wanted = "hub.capture(layers, inputs=True)" if self.inputs else "hub.capture(layers) (probabilities)"
+            raise TypeError(
+                f"{type(self).__name__} {self.name!r} (blockwise={self.inputs}) reads layer {layer} as captured by "
+                f"{wanted}, but the record holds {type(captured).__name__}; capture with that, or pass "
+                f"blockwise={not self.inputs}"
+            )
+        return captured
+
     def layer_figures(self, layers: Iterable[int], values: torch.Tensor) -> dict[str, torch.Tensor]:
         return {f"{self.name}/layer{layer}": value for layer, value in zip(layers, values, strict=True)}
 
@@ -141,7 +168,16 @@ class AttentionPenalty(LossTerm):
     `AttentionRecord` and the batch, and returns a scalar tensor.
 
     Example:
-        >>> AttentionPenalty(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
+        >>> import torch, attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> spread = AttentionPenalty(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
+        >>> spread.bind(model); spread.start(100)
+        >>> with attnreg.attach(model).capture(spread.layers) as probs:     # probabilities, materialized
+        ...     _ = model(input_ids=torch.tensor([[5, 6, 7]]))
+        >>> value, _ = spread.term(probs, {}, step=0)
+        >>> value.shape, value.requires_grad
+        (torch.Size([]), True)
     """
 
     default_name = "attention_loss"
@@ -171,7 +207,22 @@ class Entropy(LossTerm):
     nothing of size `[T, S]` kept); `blockwise=False` materializes the attention instead.
 
     Example:
-        >>> Entropy(mode="target", target=(0.3, 0.8), layers=[4, 5], weight=0.1)
+        >>> import torch, attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2")
+        >>> entropy = Entropy(mode="target", target=(0.3, 0.8), layers=[1], weight=0.1)
+        >>> entropy.bind(model); entropy.start(100)
+        >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.ones(1, 4)}
+        >>> with attnreg.attach(model).capture(entropy.layers, inputs=True) as record:
+        ...     _ = model(**batch)
+        >>> value, logs = entropy.term(record, batch, step=0)      # random weights: near uniform, above 0.8
+        >>> float(value) > 0, list(logs)
+        (True, ['entropy/layer1'])
+        >>> with attnreg.attach(model).capture(entropy.layers) as probs:   # probabilities: the wrong kind
+        ...     _ = model(**batch)
+        >>> entropy.term(probs, batch, step=0)
+        Traceback (most recent call last):
+        TypeError: Entropy 'entropy' (blockwise=True) reads layer 1 as captured by hub.capture(layers, inputs=True), ...
     """
 
     default_name = "entropy"
@@ -203,9 +254,10 @@ class Entropy(LossTerm):
         entropies = []
         for layer, heads in active.items():
             if self.inputs:
-                entropies.append(blockwise.attention_entropy(probs[layer], mask, self.causal, self.normalize, heads))
+                captured = self.captured(probs, layer)
+                entropies.append(blockwise.attention_entropy(captured, mask, self.causal, self.normalize, heads))
                 continue
-            entropy = attention_entropy(probs[layer], mask, causal=self.causal, normalize=self.normalize)
+            entropy = attention_entropy(self.captured(probs, layer), mask, causal=self.causal, normalize=self.normalize)
             entropies.append(entropy if heads is None else entropy[heads])
         if not entropies:
             return torch.zeros((), device=next(self.model.parameters()).device), {}
@@ -225,8 +277,10 @@ class PriorKL(LossTerm):
     `blockwise` as for `Entropy`.
 
     Example:
-        >>> PriorKL(weight=1.0, layers=[0, 1], heads=[0])
-        >>> PriorKL(heads={0: [3], 1: [4], 2: [8]})   # one chosen head per layer
+        >>> PriorKL(weight=1.0, layers=[0, 1], heads=[0]).layers          # head 0 of layers 0 and 1
+        [0, 1]
+        >>> PriorKL(heads={0: [3], 1: [4], 2: [8]}).layers                # one chosen head per layer
+        [0, 1, 2]
     """
 
     default_name = "prior_kl"
@@ -261,13 +315,24 @@ class PriorKL(LossTerm):
             return torch.zeros((), device=next(self.model.parameters()).device), {}
         kl = blockwise.prior_kl if self.inputs else prior_kl
         losses = torch.stack(
-            [kl(probs[layer], prior, heads, self.head_reduction, self.causal) for layer, heads in active.items()]
+            [
+                kl(self.captured(probs, layer), prior, heads, self.head_reduction, self.causal)
+                for layer, heads in active.items()
+            ]
         )
         return losses.mean(), self.layer_figures(active, losses)
 
 
 def check_weight(weight: Any, what: str) -> float:
-    """`weight` as a float, if it is a finite number >= 0; else a ValueError naming `what`."""
+    """`weight` as a float, if it is a finite number >= 0; else a ValueError naming `what`.
+
+    Example:
+        >>> check_weight(1, "Entropy")
+        1.0
+        >>> check_weight(float("nan"), "Entropy")
+        Traceback (most recent call last):
+        ValueError: Entropy: weight must be a finite number >= 0 or a schedule of progress, got nan
+    """
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
         raise ValueError(f"{what}: weight must be a finite number >= 0 or a schedule of progress, got {weight!r}")
     return float(weight)

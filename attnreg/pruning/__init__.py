@@ -18,6 +18,7 @@ original head numbers, `PruneReport`), `surgery` (`prune_heads`, `silence_heads`
 `select_heads`, `iterative_pruning`).
 
 Example:
+    >>> import tempfile
     >>> from attnreg.tiny import tiny_model
     >>> model = tiny_model("bert", head="classification")   # 2 layers x 4 heads
     >>> report = prune_heads(model, {0: [1, 3], 1: [0]})
@@ -25,7 +26,9 @@ Example:
     ({0: (2, 2), 1: (3, 3)}, {0: (1, 3), 1: (0,)})
     >>> prune_heads(model, {0: [2]}).heads[0]                # original numbers: head 2 is still head 2
     (1, 1)
-    >>> save_pruned(model, "pruned", tokenizer=tokenizer); same = load_pruned("pruned")
+    >>> folder = save_pruned(model, tempfile.mkdtemp())      # tokenizer=... saves it beside the model
+    >>> pruned_heads(load_pruned(folder))
+    {0: (1, 2, 3), 1: (0,)}
 """
 
 from attnreg.pruning.checkpoints import FOLDED_GATES, add_pruning_to_checkpoint, restore_pruning

@@ -14,7 +14,16 @@ FOLDED_GATES = "attnreg_folded_gates"
 
 
 def add_pruning_to_checkpoint(model: nn.Module, checkpoint: dict) -> None:
-    """Record the model's pruned and silenced heads in a Lightning checkpoint dict (from `on_save_checkpoint`)."""
+    """Record the model's pruned and silenced heads in a Lightning checkpoint dict (from `on_save_checkpoint`).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> report = prune_heads(model, {0: [1, 2]})
+        >>> checkpoint = {}
+        >>> add_pruning_to_checkpoint(model, checkpoint); checkpoint
+        {'attnreg_pruned_heads': {'0': [1, 2]}, 'attnreg_silenced_heads': {}}
+    """
     checkpoint[PRUNED_HEADS] = {str(layer): list(heads) for layer, heads in pruned_heads(model).items()}
     checkpoint[SILENCED_HEADS] = {str(layer): list(heads) for layer, heads in silenced_heads(model).items()}
 
@@ -26,6 +35,15 @@ def restore_pruning(model: nn.Module, checkpoint: dict) -> PruneReport | None:
     dict). Gates of the layers the checkpoint lists under `FOLDED_GATES` (folded into the weights at
     pruning, so absent from its state dict) are removed, so the weights load strictly. A no-op for
     checkpoints without a record.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> fresh = tiny_model("bert")                    # as the module is built before a resume
+        >>> checkpoint = {"attnreg_pruned_heads": {"0": [1, 2]}, "attnreg_silenced_heads": {}}
+        >>> restore_pruning(fresh, checkpoint).heads      # now the checkpoint's weights fit
+        {0: (2, 2), 1: (4, 4)}
+        >>> restore_pruning(fresh, {}) is None            # a checkpoint without pruning
+        True
     """
     if PRUNED_HEADS not in checkpoint:
         return None

@@ -33,8 +33,12 @@ def head_importance(
     Returns one tensor per layer, indexed by the heads' current positions (see `head_numbers`).
 
     Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> loader = [{"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}]
         >>> scores = head_importance(model, loader)
-        >>> scores[0]    # tensor([0.41, 0.12, 0.77, 0.47]), unit L2 norm
+        >>> scores[0].shape, round(float(scores[0].norm()), 4)     # unit L2 norm per layer
+        (torch.Size([4]), 1.0)
     """
     totals: dict[int, torch.Tensor] = {}
     batches = 0
@@ -107,7 +111,13 @@ def select_heads(
     scores: Mapping[int, torch.Tensor], threshold: float | None = None, keep: int | None = None
 ) -> dict[int, list[int]]:
     """Heads to remove, as current positions per layer: those scoring below `threshold`, or all but
-    the `keep` best overall (ties broken by layer then head order). Exactly one of the two is given."""
+    the `keep` best overall (ties broken by layer then head order). Exactly one of the two is given.
+
+    Example:
+        >>> scores = {0: torch.tensor([0.9, 0.1, 0.5]), 1: torch.tensor([0.2, 0.8, 0.05])}
+        >>> select_heads(scores, keep=3), select_heads(scores, threshold=0.3)
+        ({0: [1], 1: [0, 2]}, {0: [1], 1: [0, 2]})
+    """
     if (threshold is None) == (keep is None):
         raise ValueError("give exactly one of threshold= and keep=")
     if threshold is not None:
@@ -123,7 +133,12 @@ def select_heads(
 
 @dataclass(frozen=True)
 class PruningStep:
-    """One point of the curve: heads removed so far (original numbers per layer) and the metric."""
+    """One point of the curve: heads removed so far (original numbers per layer) and the metric.
+
+    Example:
+        >>> PruningStep(heads_removed=2, metric=0.91, removed={0: (1,), 3: (0,)})
+        PruningStep(heads_removed=2, metric=0.91, removed={0: (1,), 3: (0,)})
+    """
 
     heads_removed: int
     metric: float
@@ -147,8 +162,17 @@ def iterative_pruning(
     grouped-query rule keeps are silenced).
 
     Example:
-        >>> curve = iterative_pruning(model, loader, lambda m: accuracy(m, dev), fraction=0.1)
-        >>> [(step.heads_removed, step.metric) for step in curve]
+        >>> from attnreg.pruning import pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification", layers=1)
+        >>> loader = [{"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}]
+        >>> def accuracy(model):
+        ...     return float((model(**loader[0]).logits.argmax(-1) == loader[0]["labels"]).float().mean())
+        >>> curve = iterative_pruning(model, loader, accuracy, fraction=0.5, apply=False)
+        >>> [(step.heads_removed, step.metric) for step in curve]      # an untrained model needs no head
+        [(0, 0.5), (2, 0.5), (4, 0.5)]
+        >>> pruned_heads(model)                                        # apply=False: only the curve
+        {}
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")

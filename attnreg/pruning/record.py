@@ -21,7 +21,16 @@ HeadSpec = Mapping[int, Iterable[int]]
 
 
 def pruned_heads(model: nn.Module) -> dict[int, tuple[int, ...]]:
-    """Original numbers of the heads removed so far, per layer (layers that lost none are left out)."""
+    """Original numbers of the heads removed so far, per layer (layers that lost none are left out).
+
+    Example:
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> report = prune_heads(model, {1: [0, 3]})
+        >>> pruned_heads(model), model.config.attnreg_pruned_heads    # kept in the config
+        ({1: (0, 3)}, {'1': [0, 3]})
+    """
     return _read_record(model, PRUNED_HEADS)
 
 
@@ -29,7 +38,13 @@ def silenced_heads(model: nn.Module) -> dict[int, tuple[int, ...]]:
     """Original numbers of the heads silenced in place (`silence_heads`), per layer.
 
     Example:
-        >>> prune_heads(llama, {0: [1]}).kept   # its key/value group keeps head 0
+        >>> import warnings
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> llama = tiny_model("llama")          # 4 query heads, 2 key/value heads: groups (0, 1) and (2, 3)
+        >>> with warnings.catch_warnings(record=True):
+        ...     prune_heads(llama, {0: [1]}).kept    # its key/value group keeps head 0
+        {0: {1: 'silenced in place: its key/value head 0 is shared with query heads [0] that stay'}}
         >>> silenced_heads(llama)
         {0: (1,)}
     """
@@ -46,7 +61,16 @@ def _write_record(model: nn.Module, name: str, record: Mapping[int, Iterable[int
 
 
 def head_numbers(model: nn.Module, layer: int) -> tuple[int, ...]:
-    """Original numbers of the heads `layer` has now, in the order of its weights."""
+    """Original numbers of the heads `layer` has now, in the order of its weights.
+
+    Example:
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2")
+        >>> report = prune_heads(model, {0: [0, 2]})
+        >>> head_numbers(model, 0), head_numbers(model, 1)
+        ((1, 3), (0, 1, 2, 3))
+    """
     family = detect_family(model)
     num_heads, _ = family.head_counts(family.attention_module(model, layer))
     removed = set(pruned_heads(model).get(layer, ()))
@@ -54,7 +78,16 @@ def head_numbers(model: nn.Module, layer: int) -> tuple[int, ...]:
 
 
 def to_original_numbers(model: nn.Module, positions: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
-    """Convert current head positions per layer to original head numbers."""
+    """Convert current head positions per layer to original head numbers.
+
+    Example:
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2")
+        >>> report = prune_heads(model, {0: [0, 1]})
+        >>> to_original_numbers(model, {0: [0, 1]})     # positions 0 and 1 are now heads 2 and 3
+        {0: [2, 3]}
+    """
     converted = {}
     for layer, chosen in positions.items():
         numbers = head_numbers(model, layer)
@@ -64,7 +97,15 @@ def to_original_numbers(model: nn.Module, positions: Mapping[int, Iterable[int]]
 
 @dataclass(frozen=True)
 class SlicedTensor:
-    """A parameter or buffer cut to `index` along `dim` (was `old_shape`); used to slice optimizer state."""
+    """A parameter or buffer cut to `index` along `dim` (was `old_shape`); used to slice optimizer state.
+
+    Example:
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> cut = prune_heads(tiny_model("gpt2"), {0: [0]}).sliced[0]       # GPT-2's fused c_attn weight
+        >>> cut.dim, cut.old_shape, cut.tensor.shape
+        (1, torch.Size([32, 96]), torch.Size([32, 72]))
+    """
 
     tensor: torch.Tensor
     dim: int
@@ -80,6 +121,13 @@ class PruneReport:
     earlier whose group went now). `kept`: requested heads left in place but silenced (they add exactly
     nothing; see `silence_heads`), with the reason (grouped-query rule). `heads`: (query heads, key/value
     heads) per layer afterwards. `sliced`: every tensor that was cut, for `slice_optimizer_state`.
+
+    Example:
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> prune_heads(tiny_model("bert"), {0: [1, 3], 1: [0]})
+        PruneReport(removed={0: (1, 3), 1: (0,)}, kept={}, heads={0: (2, 2), 1: (3, 3)},
+                    parameters_before=25536, parameters_after=22392)
     """
 
     removed: dict[int, tuple[int, ...]]
@@ -91,4 +139,5 @@ class PruneReport:
 
     @property
     def num_removed(self) -> int:
+        """Heads removed by this call, over all layers."""
         return sum(len(heads) for heads in self.removed.values())

@@ -31,8 +31,15 @@ def save_pruned(
     Hub gates and temperatures are saved too; hard-concrete gates must be folded first (`fold_gates`).
 
     Example:
-        >>> save_pruned(model, "out/pruned", tokenizer=tokenizer)
-        >>> model = load_pruned("out/pruned"); tokenizer = AutoTokenizer.from_pretrained("out/pruned")
+        >>> import tempfile
+        >>> from attnreg.pruning import prune_heads
+        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> report = prune_heads(model, {0: [1, 3]})
+        >>> folder = save_pruned(model, tempfile.mkdtemp(), tokenizer=build_tokenizer(["a", "b"]))
+        >>> sorted(path.name for path in folder.iterdir())
+        ['attnreg_pruning.json', 'config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
     """
     family = detect_family(model)
     hub = _hub_or_none(model)
@@ -63,6 +70,19 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
     load the weights strictly. Returns the same class, in eval mode (as `from_pretrained` does).
 
     Raises `ValueError` naming the tensor and layer when the spec disagrees with the weights.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.pruning import prune_heads, pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2", head="causal_lm")
+        >>> report = prune_heads(model, {1: [0, 1, 2]})
+        >>> same = load_pruned(save_pruned(model, tempfile.mkdtemp()))
+        >>> type(same).__name__, pruned_heads(same), same.training
+        ('GPT2LMHeadModel', {1: (0, 1, 2)}, False)
+        >>> inputs = torch.tensor([[5, 6, 7]])
+        >>> torch.equal(model.eval()(inputs).logits, same(inputs).logits)
+        True
     """
     directory = Path(directory)
     spec_path = directory / SPEC_FILE

@@ -58,9 +58,16 @@ def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.op
     group goes once every head of it has been requested, in this call or silenced by an earlier one.
 
     Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> optimizer = torch.optim.AdamW(model.parameters())
         >>> report = prune_heads(model, {0: [0, 1]}, optimizers=[optimizer])
-        >>> report.removed, report.kept
-        ({0: (0, 1)}, {})
+        >>> report.removed, report.kept, report.heads
+        ({0: (0, 1)}, {}, {0: (2, 2), 1: (4, 4)})
+        >>> prune_heads(model, {0: [1]})
+        Traceback (most recent call last):
+        ...
+        ValueError: head 1 of layer 0 was already pruned (removed there so far: [0, 1]); nothing was changed
     """
     family = detect_family(model)
     plans = _plan(model, family, heads)
@@ -310,9 +317,17 @@ def silence_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.
     as `prune_heads` checks it; on any error nothing changes.
 
     Example:
-        >>> silence_heads(model, {0: [1]}, optimizers=[optimizer])
-        >>> silenced_heads(model)
-        {0: (1,)}
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert").eval()
+        >>> inputs = torch.tensor([[2, 5, 6, 3]])
+        >>> silence_heads(model, {0: [1]})
+        >>> silenced_heads(model), head_numbers(model, 0)       # silenced, not removed
+        ({0: (1,)}, (0, 1, 2, 3))
+        >>> before = model(inputs).last_hidden_state
+        >>> with torch.no_grad():                               # head 1's query and key no longer matter
+        ...     model.encoder.layer[0].attention.self.query.weight[8:16] = 0.0
+        >>> torch.allclose(model(inputs).last_hidden_state, before)
+        True
     """
     family = detect_family(model)
     request = _check_request(model, family, heads)
@@ -360,4 +375,12 @@ class _SilenceHook:
 
 
 def count_parameters(model: nn.Module) -> int:
+    """The number of parameter values of `model`.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> count_parameters(model), prune_heads(model, {0: [0]}).parameters_after
+        (25536, 24488)
+    """
     return sum(parameter.numel() for parameter in model.parameters())

@@ -1,10 +1,14 @@
 """Dependency trees for syntax priors: reading CoNLL-U, aligning words to subword tokens, building priors.
 
 Example:
-    >>> sentences = attnreg.syntax.read_conllu("../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu")
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> sentences = [example.sentence for example in generate(32, seed=0)]   # or read_conllu("en_ewt-ud-dev.conllu")
     >>> sentences[0].words[:3], sentences[0].heads[:3]   # heads are 1-based word indices, 0 = root
-    >>> collate = attnreg.syntax.SyntaxCollator(tokenizer, prior="parent", max_length=128)
-    >>> batch = collate(sentences[:32])                   # model inputs + batch["attnreg_prior"]
+    (('under', 'the', 'dog'), (3, 3, 11))
+    >>> collate = SyntaxCollator(build_tokenizer(vocabulary()), prior="parent", max_length=128)
+    >>> batch = collate(sentences)                        # model inputs + batch["attnreg_prior"]
+    >>> sorted(batch), batch["attnreg_prior"].shape
+    (['attention_mask', 'attnreg_prior', 'input_ids'], torch.Size([32, 23]))
 """
 
 from attnreg.syntax.align import Alignment, AlignmentError, align_offsets, align_word_ids, dropped_arcs, word_spans

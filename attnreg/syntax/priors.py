@@ -17,9 +17,14 @@ A padded batch is built in one vectorized pass (`SyntaxPrior.batch`, what `Synta
 the per-sentence Python work is the alignment alone.
 
 Example:
+    >>> from attnreg.syntax.align import align_word_ids
+    >>> heads = [2, 0, 2]                                           # "Keys rattle ."
+    >>> alignment = align_word_ids([None, 0, 0, 1, 2, None], num_words=3)   # [CLS] Ke ys rattle . [SEP]
     >>> prior = SyntaxPrior("parent")
-    >>> prior(sentence.heads, alignment)      # [T] key index per query token, -1 where left out
-    >>> prior.batch([s.heads for s in sentences], alignments)     # [B, T]
+    >>> prior(heads, alignment)      # [T] key index per query token, -1 where left out
+    array([-1,  3,  3, -1,  3, -1])
+    >>> prior.batch([heads, heads], [alignment, alignment]).shape   # [B, T]
+    (2, 6)
 """
 
 from __future__ import annotations
@@ -44,12 +49,27 @@ _CHOICES = {
 def word_prior(
     heads: Sequence[int], kind: PriorKind = "parent", root: str = "exclude", temperature: float = 1.0
 ) -> np.ndarray:
-    """The prior over words `[n, n]` (row = query word) from 1-based `heads` (0 = root)."""
+    """The prior over words `[n, n]` (row = query word) from 1-based `heads` (0 = root).
+
+    Example:
+        >>> word_prior([2, 0, 2])                       # the root's row is left out
+        array([[0., 1., 0.],
+               [0., 0., 0.],
+               [0., 1., 0.]], dtype=float32)
+        >>> word_prior([2, 0, 2], kind="neighbors")[1]  # the root attends to its children
+        array([0.5, 0. , 0.5], dtype=float32)
+    """
     return word_priors(pad_heads([heads]), kind, root, temperature)[0]
 
 
 def pad_heads(heads: Sequence[Sequence[int]]) -> np.ndarray:
-    """1-based heads of several sentences as one array `[B, N]`, -1 after each sentence's last word."""
+    """1-based heads of several sentences as one array `[B, N]`, -1 after each sentence's last word.
+
+    Example:
+        >>> pad_heads([[2, 0], [0, 1, 1]])
+        array([[ 2,  0, -1],
+               [ 0,  1,  1]])
+    """
     padded = np.full((len(heads), max((len(h) for h in heads), default=0)), -1, dtype=np.int64)
     for row, sentence_heads in enumerate(heads):
         padded[row, : len(sentence_heads)] = sentence_heads
@@ -59,7 +79,13 @@ def pad_heads(heads: Sequence[Sequence[int]]) -> np.ndarray:
 def word_priors(
     heads: np.ndarray, kind: PriorKind = "parent", root: str = "exclude", temperature: float = 1.0
 ) -> np.ndarray:
-    """`word_prior` for a batch: `heads` `[B, N]` from `pad_heads`; returns `[B, N, N]` (padding words get none)."""
+    """`word_prior` for a batch: `heads` `[B, N]` from `pad_heads`; returns `[B, N, N]` (padding words get none).
+
+    Example:
+        >>> priors = word_priors(pad_heads([[2, 0], [0, 1, 1]]), kind="tree_distance")
+        >>> priors.shape, float(priors[0, 2].sum())     # a padding word's row is empty
+        ((2, 3, 3), 0.0)
+    """
     batch, count = heads.shape
     prior = np.zeros((batch, count, count), dtype=np.float32)
     sentence, dependent = np.nonzero(heads > 0)
@@ -85,12 +111,25 @@ def word_priors(
 
 
 def tree_distances(heads: Sequence[int]) -> np.ndarray:
-    """Number of arcs between every pair of words `[n, n]` of the tree given by 1-based `heads`."""
+    """Number of arcs between every pair of words `[n, n]` of the tree given by 1-based `heads`.
+
+    Example:
+        >>> tree_distances([2, 0, 2])
+        array([[0, 1, 2],
+               [1, 0, 1],
+               [2, 1, 0]])
+    """
     return tree_distances_batch(pad_heads([heads]))[0]
 
 
 def tree_distances_batch(heads: np.ndarray) -> np.ndarray:
-    """`tree_distances` for `heads` `[B, N]` from `pad_heads`: `[B, N, N]` (meaningless for padding words)."""
+    """`tree_distances` for `heads` `[B, N]` from `pad_heads`: `[B, N, N]` (meaningless for padding words).
+
+    Example:
+        >>> tree_distances_batch(pad_heads([[2, 0, 2], [0, 1]]))[1, :2, :2]
+        array([[0, 1],
+               [1, 0]])
+    """
     batch, count = heads.shape
     sentence = np.arange(batch)[:, None]
     # ancestors[b, i, k]: k is i or an ancestor of i; filled by following heads up, one level per pass.
@@ -110,7 +149,14 @@ class SyntaxPrior:
     """How to turn a tree and an alignment into a token-level prior (see the module docstring).
 
     Example:
-        >>> SyntaxPrior("tree_distance", temperature=0.5, key_pieces="spread")(heads, alignment)  # [T, T]
+        >>> from attnreg.syntax.align import align_word_ids
+        >>> alignment = align_word_ids([None, 0, 0, 1, 2, None], num_words=3)   # [CLS] Ke ys rattle . [SEP]
+        >>> SyntaxPrior("parent", key_pieces="spread").one_hot
+        False
+        >>> SyntaxPrior("tree_distance", temperature=0.5, key_pieces="spread")([2, 0, 2], alignment).shape  # [T, T]
+        (6, 6)
+        >>> SyntaxPrior("parent", query_pieces="first")([2, 0, 2], alignment)    # only "Ke" speaks for "Keys"
+        array([-1,  3, -1, -1,  3, -1])
     """
 
     kind: PriorKind = "parent"
@@ -139,7 +185,10 @@ class SyntaxPrior:
         batch): `[B, T]` key indices (`one_hot`) or `[B, T, T]` rows. One vectorized pass for the batch.
 
         Example:
-            >>> SyntaxPrior("tree_distance").batch([s.heads for s in sentences], alignments)   # [B, T, T]
+            >>> from attnreg.syntax.align import align_word_ids
+            >>> alignments = [align_word_ids([None, 0, 1, 2, None], 3), align_word_ids([None, 0, 1, None, None], 2)]
+            >>> SyntaxPrior("tree_distance").batch([[2, 0, 2], [0, 1]], alignments).shape   # [B, T, T]
+            (2, 5, 5)
         """
         for sentence_heads, alignment in zip(heads, alignments, strict=True):
             if len(sentence_heads) != alignment.num_words:

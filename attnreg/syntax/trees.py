@@ -1,9 +1,19 @@
-"""Dependency trees: reading CoNLL-U (the `conllu` library does the parsing) and validating trees.
+r"""Dependency trees: reading CoNLL-U (the `conllu` library does the parsing) and validating trees.
 
 Example:
-    >>> sentences = read_conllu("../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu")
-    >>> first = sentences[0]
-    >>> first.words[:3], first.heads[:3]           # heads are 1-based word indices, 0 = root
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp(), "tiny.conllu")          # or en_ewt-ud-dev.conllu
+    >>> _ = path.write_text(
+    ...     "# sent_id = s1\n# text = Keys rattle.\n"
+    ...     "1\tKeys\t_\tNOUN\t_\t_\t2\tnsubj\t_\t_\n"
+    ...     "2\trattle\t_\tVERB\t_\t_\t0\troot\t_\tSpaceAfter=No\n"
+    ...     "3\t.\t_\tPUNCT\t_\t_\t2\tpunct\t_\t_\n"
+    ... )
+    >>> first = read_conllu(path)[0]
+    >>> first.words, first.heads           # heads are 1-based word indices, 0 = root
+    (('Keys', 'rattle', '.'), (2, 0, 2))
+    >>> first.relations, first.spans
+    (('nsubj', 'root', 'punct'), ((0, 4), (5, 11), (11, 12)))
 """
 
 from __future__ import annotations
@@ -18,7 +28,14 @@ import conllu
 
 
 class ConlluError(ValueError):
-    """A malformed sentence, reported by file, line and sentence id."""
+    """A malformed sentence, reported by file, line and sentence id.
+
+    Example:
+        >>> Sentence("s1", words=("a", "b"), heads=(0, 0), relations=("root", "dep"), text="a b")
+        Traceback (most recent call last):
+        ...
+        attnreg.syntax.trees.ConlluError: sent_id s1: a tree needs exactly one root (head 0), found 2: words [1, 2]
+    """
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,13 @@ class Sentence:
     `heads[i]` is the 1-based index of word i's head (0 for the root); `text` is the surface text;
     `spans[i]` the character span of word i in `text` (None: found by searching the words in order,
     see `word_spans`). `source` and `line` say where the sentence came from, for error messages.
+
+    Example:
+        >>> sentence = Sentence("s1", ("The", "keys", "rattle"), (2, 3, 0), ("det", "nsubj", "root"), "The keys rattle")
+        >>> sentence.words[sentence.heads[1] - 1]         # the head of "keys"
+        'rattle'
+        >>> sentence.where
+        'sent_id s1'
     """
 
     sent_id: str
@@ -53,21 +77,35 @@ class Sentence:
 
 
 def read_conllu(path: str | Path) -> list[Sentence]:
-    """All sentences of a CoNLL-U file (`.gz` too), each validated (see `check_tree`).
+    r"""All sentences of a CoNLL-U file (`.gz` too), each validated (see `check_tree`).
 
     A malformed file raises `ConlluError` naming the file and line: bytes that are not UTF-8, a row
     without exactly 10 tab-separated columns, a column the `conllu` parser cannot read, word ids
     that do not run 1..n, a misplaced multiword-token range, a head that is not a number, or heads
     that do not form one tree.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp(), "bad.conllu")
+        >>> _ = path.write_text("1\tKeys\t_\tNOUN\t_\t_\t0\troot\t_\n")       # 9 columns
+        >>> read_conllu(path)
+        Traceback (most recent call last):
+        ...
+        attnreg.syntax.trees.ConlluError: /.../bad.conllu:1: malformed CoNLL-U line, 9 tab-separated fields ...
     """
     return list(iter_conllu(path))
 
 
 def iter_conllu(path: str | Path) -> Iterator[Sentence]:
-    """The sentences of a CoNLL-U file one at a time (see `read_conllu`).
+    r"""The sentences of a CoNLL-U file one at a time (see `read_conllu`).
 
     Example:
-        >>> for sentence in iter_conllu("en_ewt-ud-train.conllu.gz"): ...
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp(), "tiny.conllu.gz")
+        >>> with gzip.open(path, "wt") as handle:
+        ...     _ = handle.write("1\tHello\t_\tINTJ\t_\t_\t0\troot\t_\t_\n\n1\tBye\t_\tINTJ\t_\t_\t0\troot\t_\t_\n")
+        >>> [sentence.words for sentence in iter_conllu(path)]
+        [('Hello',), ('Bye',)]
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -210,7 +248,15 @@ def _find(text: str, form: str, position: int, where: str) -> tuple[int, int]:
 
 def check_tree(heads: list[int] | tuple[int, ...], where: str = "sentence") -> None:
     """Raise `ConlluError` unless `heads` (1-based, 0 = root) form one tree: heads in range, one
-    root, no cycles."""
+    root, no cycles.
+
+    Example:
+        >>> check_tree([2, 0, 2])
+        >>> check_tree([2, 1, 0])
+        Traceback (most recent call last):
+        ...
+        attnreg.syntax.trees.ConlluError: sentence: the heads form a cycle through words [1, 2]
+    """
     count = len(heads)
     for word, head in enumerate(heads, start=1):
         if not 0 <= head <= count:
