@@ -271,19 +271,11 @@ def _scores(
     return scores
 
 
-def _row_statistics(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From a block's scores (overwritten with `scores - top`): those shifted scores, their `exp`, the row
-    maximum `top` and `log_total = log sum_j exp(s_ij - top_i)` (both `[..., 1]`)."""
-    top = scores.amax(-1, keepdim=True)
-    shifted = scores.sub_(top)
-    weights = shifted.exp()
-    return shifted, weights, top, weights.sum(-1, keepdim=True).log_()
-
-
-def _log_probabilities(ctx, query, key, mask, log_total) -> torch.Tensor:
-    """A block's `log p`, recomputed in backward from its inputs and the rows' log-sum-exp forward kept."""
+def _probabilities(ctx, query, key, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's scores and softmax, recomputed in backward from its inputs."""
     causal_rows, _, scaling = ctx.block
-    return _scores(query, key, mask, causal_rows, scaling).sub_(log_total)
+    scores = _scores(query, key, mask, causal_rows, scaling)
+    return scores, torch.softmax(scores, dim=-1)
 
 
 def _key_gradients(ctx, dscores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -295,59 +287,62 @@ def _key_gradients(ctx, dscores: torch.Tensor, query: torch.Tensor, key: torch.T
 
 
 class _BlockEntropy(torch.autograd.Function):
-    """Row entropies of one block, keeping for backward only its inputs (views) and two numbers per row
-    (the log-sum-exp and the entropy).
+    """Row entropies of one block, keeping for backward only its inputs (views) and, per row, the mean
+    score under attention `E_i = sum_j p_ij s_ij` and whether any key is unmasked.
 
-    `H_i = log_total_i - sum_j p_ij (s_ij - top_i)`; backward: `dH/ds_ij = -p_ij (log p_ij + H_i)`. A row
-    whose keys are all masked reads `log S` (uniform over the layer's S keys) and gets no gradient."""
+    `H_i = log sum_j exp(s_ij) - E_i`, with the log-sum-exp read off the softmax as `top_i - log max_j p_ij`;
+    backward: `dH/ds_ij = -p_ij (s_ij - E_i)`. Both go through the fused softmax kernel: an `exp` of its
+    own is several times slower on CPU, where masked scores take its slow path. A row whose keys are
+    all masked reads `log S` (uniform over the layer's S keys) and gets no gradient."""
 
     @staticmethod
     def forward(ctx, query, key, mask, causal_rows, keys, scaling):
         scores = _scores(query, key, mask, causal_rows, scaling)
-        shifted, weights, top, log_total = _row_statistics(scores)
-        entropy = log_total - weights.mul_(shifted).sum(-1, keepdim=True) / log_total.exp()
-        entropy = torch.where(top == _MIN, math.log(keys), entropy)
-        ctx.save_for_backward(query, key, mask, top + log_total, entropy)
+        top = scores.amax(-1, keepdim=True)
+        p = torch.softmax(scores, dim=-1)
+        mean_score = torch.linalg.vecdot(p, scores).unsqueeze(-1)  # masked keys: 0 * minimum = 0
+        entropy = top - p.amax(-1, keepdim=True).log_() - mean_score
+        alive = top > _MIN
+        entropy = torch.where(alive, entropy, math.log(keys))
+        ctx.save_for_backward(query, key, mask, mean_score, alive)
         ctx.block, ctx.arguments = (causal_rows, keys, scaling), 6
         return entropy.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, mask, log_total, entropy = ctx.saved_tensors
-        log_p = _log_probabilities(ctx, query, key, mask, log_total)
-        grad = grad.unsqueeze(-1).neg().masked_fill(log_total == _MIN, 0.0)  # all keys masked: no gradient
-        dscores = log_p.exp().mul_(log_p.add_(entropy)).mul_(grad)
+        query, key, mask, mean_score, alive = ctx.saved_tensors
+        scores, p = _probabilities(ctx, query, key, mask)
+        dscores = scores.sub_(mean_score).mul_(p).mul_(grad.unsqueeze(-1).neg() * alive)
         return _key_gradients(ctx, dscores, query, key)
 
 
 class _BlockParentNLL(torch.autograd.Function):
-    """`-log p_i,parent` (clamped at `-log 1e-12`) of one block; `parents` `[B, rows]`, -1 for rows left
-    out (they read 0). Keeps only the inputs and, per row, the log-sum-exp, the parent and whether the row
-    gets a gradient; backward: `ds_ij = p_ij - [j = parent]` on rows counted and not clamped."""
+    """`-log p_i,parent` (p clamped at 1e-12, as `attnreg.losses.prior_kl` clamps) of one block; `parents`
+    `[B, rows]`, -1 for rows left out (they read 0). Keeps only the inputs and, per row, the parent and
+    whether the row gets a gradient; backward: `ds_ij = p_ij - [j = parent]` on rows counted and not
+    clamped, from the recomputed softmax."""
 
     @staticmethod
     def forward(ctx, query, key, mask, causal_rows, keys, scaling, parents):
         scores = _scores(query, key, mask, causal_rows, scaling)
-        shifted, weights, top, log_total = _row_statistics(scores)
-        seen = shifted.shape[-1]
-        index = parents.clamp(0, seen - 1)[:, None, :, None].expand(-1, shifted.shape[1], -1, 1)
-        nll = log_total - shifted.gather(-1, index)  # -log p of the parent, if it is among the keys seen
-        unseen = (parents >= seen)[:, None, :, None]  # after the block's last key: masked, p = 0
-        clamped = unseen | (nll > -_LOG_TINY)
+        alive = scores.amax(-1, keepdim=True) > _MIN
+        p = torch.softmax(scores, dim=-1)
+        seen = p.shape[-1]
+        index = parents.clamp(0, seen - 1)[:, None, :, None].expand(-1, p.shape[1], -1, 1)
+        chosen = p.gather(-1, index).masked_fill_((parents >= seen)[:, None, :, None], 0.0)  # after the block
         counted = (parents >= 0)[:, None, :, None]
-        live = counted & ~clamped & (top > _MIN)
-        nll = torch.where(clamped, -_LOG_TINY, nll)
-        nll = torch.where(top == _MIN, math.log(keys), nll) * counted  # all keys masked: uniform over S
-        ctx.save_for_backward(query, key, mask, top + log_total, index, live)
+        live = counted & alive & (chosen >= _TINY)
+        nll = torch.where(alive, chosen.clamp_min(_TINY).log().neg(), math.log(keys)) * counted
+        ctx.save_for_backward(query, key, mask, index, live)
         ctx.block, ctx.arguments = (causal_rows, keys, scaling), 7
         return nll.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, mask, log_total, index, live = ctx.saved_tensors
+        query, key, mask, index, live = ctx.saved_tensors
         grad = grad.unsqueeze(-1) * live
-        dscores = _log_probabilities(ctx, query, key, mask, log_total).exp_().mul_(grad)
-        dscores.scatter_add_(-1, index, -grad)
+        _, p = _probabilities(ctx, query, key, mask)
+        dscores = p.mul_(grad).scatter_add_(-1, index, -grad)
         return _key_gradients(ctx, dscores, query, key)
 
 

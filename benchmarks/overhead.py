@@ -28,7 +28,9 @@ A step is forward + terms + backward + zero_grad (no optimizer step), timed roun
 (order rotated every repetition); ratios are medians of per-repetition ratios to `sdpa`. Saved for
 backward: the bytes of the distinct storages autograd keeps in one step (parameters excluded), exact
 (not measured for compiled steps, whose saved tensors the hooks do not see). The blockwise variants' saved
-bytes are also measured at 512, 1,024 and 2,048 tokens (batch 1) to show they grow linearly in T.
+bytes are also measured at 512, 1,024 and 2,048 tokens (batch 1) to show they grow linearly in T. Last,
+`torch.profiler` splits the steps of `sdpa`, `kl_head` and `entropy_all` by aten op (self CPU time), to
+show where a regularized step's extra time goes (`--breakdown-only` runs just that).
 """
 
 from __future__ import annotations
@@ -176,6 +178,42 @@ def growth(family: str, lengths: tuple[int, ...]) -> dict:
     return {"model": family, "saved_bytes": rows}
 
 
+def breakdown(family: str, tokens: int, batch_size: int, variants: tuple[str, ...], reps: int) -> dict:
+    """Self CPU time per aten op (ms per step, median over `reps` profiled steps) of each variant: where
+    the extra time of a regularized step goes."""
+    base = tiny_model(family, head=SHAPES[family], **SIZES).train()
+    batch = make_batch(family, tokens, batch_size)
+    table_ms: dict[str, dict[str, float]] = {}
+    for name in variants:
+        model, step = build(name, base)
+        train_step(model, step, batch)  # warm-up
+        per_op: dict[str, list[float]] = {}
+        for _ in range(reps):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                train_step(model, step, batch)
+            for event in profile.key_averages():
+                per_op.setdefault(event.key, []).append(event.self_cpu_time_total / 1000)
+        table_ms[name] = {op: statistics.median(times + [0.0] * (reps - len(times))) for op, times in per_op.items()}
+    return {"model": family, "tokens": tokens, "batch": batch_size, "self_ms": table_ms}
+
+
+def breakdown_markdown(entry: dict, top: int = 12) -> list[str]:
+    """The ops that grow most from `sdpa` to each other variant."""
+    sdpa = entry["self_ms"]["sdpa"]
+    lines = [f"Where the time goes: {entry['model']}, {entry['tokens']} tokens (self CPU ms per step)", ""]
+    for name, ops in entry["self_ms"].items():
+        if name == "sdpa":
+            continue
+        growth = sorted(ops, key=lambda op: ops[op] - sdpa.get(op, 0.0), reverse=True)[:top]
+        rows = [
+            [op, f"{sdpa.get(op, 0.0):.1f}", f"{ops[op]:.1f}", f"{ops[op] - sdpa.get(op, 0.0):+.1f}"] for op in growth
+        ]
+        total = sum(ops.values()) - sum(sdpa.values())
+        lines += [f"`{name}`: {total:+.0f} ms per step over `sdpa` in all ops", ""]
+        lines += table(["op", "sdpa", name, "difference"], rows) + [""]
+    return lines
+
+
 def markdown(results: dict) -> str:
     lines = [
         "# What attnreg costs on the train step (ratios to plain SDPA, same run)",
@@ -202,6 +240,8 @@ def markdown(results: dict) -> str:
         lengths = list(next(iter(entry["saved_bytes"].values())))
         growth_rows = [[name] + [f"{row[t] / MB:.1f}" for t in lengths] for name, row in entry["saved_bytes"].items()]
         lines += table([entry["model"], *(f"{t} tokens" for t in lengths)], growth_rows) + [""]
+    for entry in results.get("breakdown", []):
+        lines += breakdown_markdown(entry)
     return "\n".join(lines)
 
 
@@ -210,6 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     add_output_arguments(parser, "128 tokens, 2 repetitions, nothing compiled")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
+    parser.add_argument(
+        "--breakdown-only",
+        action="store_true",
+        help="only the per-op profile of sdpa, kl_head and entropy_all (written as its own run)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one core per process: steadier timings on a shared machine
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per variant, none falling back to eager
@@ -217,6 +262,21 @@ def main(argv: list[str] | None = None) -> None:
     configs = ((128, 2),) if args.quick else CONFIGS
     lengths = (64, 128) if args.quick else (512, 1024, 2048)
     compiled = args.compile and not args.quick
+    profiled = ("sdpa", "kl_head", "entropy_all")
+    breakdowns = [breakdown(family, tokens, batch, profiled, reps) for tokens, batch in configs for family in SHAPES]
+    if args.breakdown_only:
+        results = {
+            "quick": args.quick,
+            "reps": reps,
+            "sizes": SIZES,
+            "configs": [],
+            "growth": [],
+            "breakdown": breakdowns,
+        }
+        text = markdown(results)
+        write_results(output_dir(args, "overhead"), results, text, args)
+        print(text)
+        return
     results = {
         "quick": args.quick,
         "reps": reps,
@@ -227,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
             for family in SHAPES
         ],
         "growth": [growth(family, lengths) for family in SHAPES],
+        "breakdown": breakdowns,
     }
     text = markdown(results)
     write_results(output_dir(args, "overhead"), results, text, args)
