@@ -7,14 +7,33 @@ the admissible keys of row i):
 - `-sum_j r_j log p_ij = LSE_i - sum_j r_j s_ij` (cross-entropy to a dense prior row `r`);
 - `H_i = LSE_i - sum_j p_ij s_ij` (entropy).
 
-Each function computes the scores of one block of `block_size` queries at a time, for the heads given,
-reduces them to one number per row, and lets the block go: under autograd every block runs in
-`torch.utils.checkpoint`, so backward recomputes it and nothing of size `[T, S]` is saved (only the
-block's inputs: its queries, the keys, the mask rows). Values and gradients equal the materialized path
-(`hub.attention_probabilities` then `attnreg.losses`); `tests/test_blockwise.py` compares them.
 `query` and `key` are what transformers hands an attention function (`[B, H, T, d]`, `[B, H_kv, S, d]`,
 after RoPE; grouped-query keys not yet repeated), and `attention_mask` its SDPA mask (boolean, additive
-float, or None with `causal`).
+float, or None); `causal` masks the keys after each query on top of it. Values and gradients equal the
+materialized path (`hub.attention_probabilities` then `attnreg.losses`, 1e-5 in float32, bf16 tolerance
+under autocast); `tests/test_blockwise.py` compares them on every family.
+
+Design (what the measurements kept):
+
+- The layer's own output stays on SDPA (flash kernels where there are some); the loss recomputes the
+  scores of only the regularized heads, `block_size` queries at a time, reduces each block to numbers per
+  row and lets it go. A causal block computes only the keys its rows may see (half the work on average).
+- Entropy and the one-hot parent NLL (the LISA case) run in custom autograd functions (`_BlockEntropy`,
+  `_BlockParentNLL`) that save the block's inputs (views that SDPA keeps anyway) and one or two numbers
+  per row: `E_i = sum_j p_ij s_ij` for entropy, the parent index for the NLL. Backward recomputes the
+  block's scores and softmax and writes the gradient out (`-p (s - E)` for entropy, `p - onehot` for the
+  NLL): one matmul and one softmax again, two matmuls for the query and key gradients, no replay of
+  autograd through the softmax. Saved bytes stay those of SDPA and grow linearly in T.
+- Dense prior rows and `mean_attention` (rarer) recompute each block under `torch.utils.checkpoint`:
+  same memory, an autograd replay slower than the two functions above.
+- Everything elementwise goes through the fused softmax kernel: on CPU a separate `exp` costs several
+  times more (fresh memory for its output, and masked scores at the float32 minimum take its slow
+  path); the log-sum-exp is read off the softmax as `max_j s_ij - log max_j p_ij`.
+- What remains on top of SDPA is memory traffic: per regularized head and block, the scores and the
+  softmax are written and read a few times, where SDPA's fused kernel keeps them in cache. One head per
+  layer (the KL) costs little; all heads of all layers (entropy) roughly doubles the attention's own
+  time. `benchmarks/overhead.py` measures it and splits it by aten op; the README's Performance section
+  and `docs/performance.md` give the figures.
 
 Example:
     >>> import torch
@@ -300,10 +319,12 @@ class _BlockEntropy(torch.autograd.Function):
         scores = _scores(query, key, mask, causal_rows, scaling)
         top = scores.amax(-1, keepdim=True)
         p = torch.softmax(scores, dim=-1)
-        mean_score = torch.linalg.vecdot(p, scores).unsqueeze(-1)  # masked keys: 0 * minimum = 0
+        with torch.autocast(scores.device.type, enabled=False):  # in float32: bf16 reads the minimum as -inf
+            mean_score = torch.linalg.vecdot(p, scores).unsqueeze(-1)  # masked keys: 0 * minimum = 0
         entropy = top - p.amax(-1, keepdim=True).log_() - mean_score
         alive = top > _MIN
         entropy = torch.where(alive, entropy, math.log(keys))
+        mean_score = torch.where(alive, mean_score, 0.0)  # all keys masked: s - 0 stays finite (no inf - inf)
         ctx.save_for_backward(query, key, mask, mean_score, alive)
         ctx.block, ctx.arguments = (causal_rows, keys, scaling), 6
         return entropy.squeeze(-1)
