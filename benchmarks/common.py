@@ -130,7 +130,7 @@ def run_metadata(args: argparse.Namespace | None = None) -> dict[str, Any]:
     resolved settings (every argparse argument) and the wall time since the process started."""
     return {
         "command": command_line(),
-        "git": git_state(),
+        "git": GIT_AT_START,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
         "versions": versions(),
@@ -245,3 +245,6 @@ def versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
     return found
+
+
+GIT_AT_START = git_state()  # the code that ran: taken when the script starts, not when it writes its results
