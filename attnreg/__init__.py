@@ -1,11 +1,20 @@
 """attnreg: steer what attention heads do while fine-tuning transformers with Lightning.
 
 Example:
+    >>> import torch
     >>> import attnreg
-    >>> hub = attnreg.attach(model)          # any supported BERT- or GPT-style model
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert")                        # any supported BERT- or GPT-style model
+    >>> hub = attnreg.attach(model)
+    >>> hub.family.name, hub.num_layers
+    ('bert', 2)
+    >>> batch = {"input_ids": torch.randint(3, 99, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
     >>> with hub.capture(layers=[0]) as probs:
-    ...     model(**batch)
-    >>> probs[0]                             # [batch, heads, queries, keys], with autograd graph
+    ...     _ = model(**batch)
+    >>> probs[0].shape, probs[0].requires_grad           # [batch, heads, queries, keys], with autograd graph
+    (torch.Size([2, 4, 7, 7]), True)
+    >>> torch.allclose(probs[0].sum(-1), torch.ones(2, 4, 7))
+    True
 """
 
 from attnreg import analysis, pruning, schedules, syntax

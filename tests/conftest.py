@@ -1,5 +1,4 @@
 import copy
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -76,27 +75,3 @@ def fit(module, batches, callbacks=()) -> L.Trainer:
     )
     trainer.fit(module, DataLoader(batches, batch_size=None))
     return trainer
-
-
-# -- the package's docstring examples run as doctests (pyproject: --doctest-modules, testpaths) ---------------
-# The modules below still hold examples that need objects the example does not build (`model`, `batch`,
-# data files): their doctests are collected, so every module is still imported, but skipped. Take a module
-# off the list once its examples run.
-ROOT = Path(__file__).resolve().parents[1]
-
-PENDING_DOCTESTS = {
-    "attnreg/__init__.py",
-    "attnreg/analyze.py",
-    "attnreg/methods/gating.py",
-    "attnreg/models.py",
-    "attnreg/plots.py",
-    "attnreg/pruning/gates.py",
-    "attnreg/train.py",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip = pytest.mark.skip(reason="docstring examples not runnable yet (conftest.PENDING_DOCTESTS)")
-    for item in items:
-        if isinstance(item, pytest.DoctestItem) and item.path.relative_to(ROOT).as_posix() in PENDING_DOCTESTS:
-            item.add_marker(skip)

@@ -34,6 +34,8 @@ SCRIPTS = {
     "pruning_speed": ((), "results.json"),
     "sst2_dropout_lr": (("sst2", "minilm"), "results.json"),
     "sst2_entropy": (("sst2", "minilm"), "results.json"),
+    "sst2_pruning": (("sst2", "minilm"), "results.json"),
+    "sst2_pruning_summary": ((), "summary.json"),
     "syntax_collate": (("ud_english_ewt", "minilm"), "results.json"),
 }
 

@@ -6,10 +6,11 @@ Three small configs, each a frozen dataclass a Hydra config can name:
 - `L1Gates`: gates start at 1; penalty `weight * sum |g|` (divided by the number of gated heads with
   `normalize`); scores `|g|`.
 - `HardConcreteGates`: L0 gates (Louizos et al. 2018, as Voita et al. 2019); penalty `weight * expected
-  L0`. With `Removal(keep=K)` (or milestones), CoFi's Lagrangian `l1 (s - t) + l2 (s - t)^2` on the
-  expected number of kept heads `s` against a target `t` moving from all heads to K over the first
-  `target_warmup` of training replaces it, `l1, l2` raised by dual ascent once per optimizer step
-  (step `lagrangian_lr`); scores: the deterministic gate.
+  L0`. With `Removal(keep=K)` (or milestones), CoFi's Lagrangian replaces it (Xia et al. 2022, see
+  `HardConcreteGates`): `l1 g + l2 g^2` with `g = s - t` in heads, `s` the expected number of open heads,
+  `t` a target falling linearly to K over the first `target_warmup` of training; the multipliers `l1, l2`
+  are trained by gradient *ascent* with their own Adam (`lagrangian_lr`), once per optimizer step;
+  scores: the deterministic gate.
 - `Removal`: which heads go (all but the `keep` best, else those scoring below `threshold`) and when
   (the end of training by default; `after_steps` optimizer steps or `after_epochs` epochs; or
   progressively at `milestones`, `(progress, heads kept)` pairs).
@@ -17,13 +18,23 @@ Three small configs, each a frozen dataclass a Hydra config can name:
 Grouped-query layers follow `attnreg.pruning.prune_heads`: a chosen query head whose key/value group
 stays is silenced exactly, and chosen again in a later round.
 
-Example:
-    >>> gating = HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=36))
-    >>> gating.bind(model, taken=set()); gating.start(estimated_steps=1000)
-    >>> value, logs = gating.term(probs, batch, step)      # the penalty, every micro-batch
-    >>> gating.dual_step()                                 # once per optimizer step
-    >>> if gating.due(step=1000, epochs_done=None, end=True):
-    ...     gating.prune(optimizers, step=1000)
+Example (what an adapter does; `attnreg.HeadGating` is the Lightning one):
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert", head="classification").train()      # 2 layers x 4 heads
+    >>> gating = HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=5))
+    >>> gating.bind(model, taken=set()); gating.start(estimated_steps=4)
+    >>> optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    >>> batch = {"input_ids": torch.randint(3, 99, (2, 6)), "labels": torch.tensor([0, 1])}
+    >>> for step in range(4):
+    ...     value, figures = gating.term(None, batch, step)    # the penalty, every micro-batch
+    ...     (model(**batch).loss + value).backward()
+    ...     gating.dual_step()                                  # once per optimizer step, before it
+    ...     optimizer.step(); optimizer.zero_grad()
+    >>> keep, final = gating.due(step=4, end=True); keep, final  # heads to keep, the final round
+    (5, True)
+    >>> report = gating.prune([optimizer], step=4, keep=keep, final=final)  # gates folded, 3 heads removed
+    >>> report.num_removed, sum(query for query, _ in report.heads.values())
+    (3, 5)
 """
 
 from __future__ import annotations
@@ -58,8 +69,50 @@ class L1Gates:
 
 @dataclass(frozen=True)
 class HardConcreteGates:
-    """Hard-concrete (L0) gates: `temperature`, `stretch`, log-alpha starting at `initial_log_alpha`;
-    `target_warmup` and `lagrangian_lr` shape the Lagrangian used when `Removal` sets a head count."""
+    """Hard-concrete (L0) gates: `temperature`, `stretch`, log-alpha starting at `initial_log_alpha`.
+
+    Without a head count in `Removal`, the penalty is `weight * expected L0` (divided by the number of
+    gated heads with `normalize`). With one (`Removal(keep=K)` or milestones) it is CoFi's Lagrangian
+    (Xia, Zhong and Chen 2022, "Structured Pruning Learns Compact and Accurate Models"), `weight` unused:
+
+    - `l1 g + l2 g^2` with `g = s - t` in heads: `s` the expected number of open heads (differentiable),
+      `t` the target, which falls linearly from where the gates start (`HeadGating.initial_heads`) to K
+      over the first `target_warmup` of training and stays at K after (CoFi: `lagrangian_warmup`, in
+      epochs there, from sparsity 0);
+    - the multipliers `l1, l2` start at 0 and act from the first step. They are trained by gradient
+      ascent (they maximize the Lagrangian: `l1` follows the sign of the gap, `l2` only grows) with an
+      Adam of their own at `lagrangian_lr` (CoFi: AdamW at minus its `reg_learning_rate`), one step per
+      optimizer step with the mean gradient of its micro-batches (`HeadGating.dual_step`), and are saved
+      in checkpoints with that optimizer's state;
+    - unlike CoFi, whose gap is a fraction (of parameters), `g` counts heads. Adam moves both multipliers
+      by about `lagrangian_lr` a step, so with a fractional gap the quadratic term's pull `2 l2 g` stays
+      far below `l1` near the target: `l1` winds up while the gates lag, and the count falls far past the
+      target before `l1` turns (CoFi's thousands of steps give `l2` time to grow; in 250 steps on SST-2
+      plain dual ascent on a fractional gap, this method before, let the count fall to 20.7 for a target
+      of 36: `benchmarks/results/sst2_pruning/hc_recovery`). In heads the quadratic term holds the count
+      within a head of the target after a few tens of steps;
+    - log-alpha trains in the model's optimizer: give the gates a group of their own
+      (`attnreg.pruning.gate_parameters`, the `gates` group of `attnreg.optim.layerwise_param_groups`, or
+      `SequenceClassifier(gate_lr=...)`) at a learning rate large enough for a gate to cross its bounds
+      several times in training. The count follows the target whatever the rate, but slow gates follow
+      it together, all half-open, instead of closing the least useful heads and opening the rest: on
+      SST-2 with MiniLM (250 steps, keep=36 of 72, removal at the end) at 0.05 the count ends at 35.9
+      with 8 gates above 0.5 and 79.9% dev accuracy, at 0.5 at 36.0 with 32 above 0.5 and 84.9%
+      (`benchmarks/results/sst2_pruning/hc_gate_lr0.05_seed0`, `hc_end_seed0`; CoFi: 0.01 over
+      thousands of steps);
+    - `log_alpha_bounds` clamps log-alpha once per optimizer step, before it (CoFi: log(1e-2), log(1e2),
+      after it), so a closed gate can reopen; None leaves it free. A gate closed at -4.6 is still open
+      with probability 0.05, which the expected count includes.
+
+    Example:
+        >>> gates = HardConcreteGates(target_warmup=0.5, lagrangian_lr=5e-4)
+        >>> gates.log_alpha_bounds
+        (-4.6, 4.6)
+        >>> HardConcreteGates(target_warmup=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: target_warmup must be a fraction of training in [0, 1), got 1.0
+    """
 
     weight: ScheduleLike = 0.01
     normalize: bool = True
@@ -67,7 +120,8 @@ class HardConcreteGates:
     stretch: tuple[float, float] = (-0.1, 1.1)
     initial_log_alpha: float = 2.0
     target_warmup: float = 0.0
-    lagrangian_lr: float = 0.1
+    lagrangian_lr: float = 5e-4
+    log_alpha_bounds: tuple[float, float] | None = (-4.6, 4.6)
 
     def __post_init__(self) -> None:
         _check_schedule_weight(self.weight)
@@ -76,6 +130,12 @@ class HardConcreteGates:
         if not 0.0 <= self.target_warmup < 1.0:
             raise ValueError(f"target_warmup must be a fraction of training in [0, 1), got {self.target_warmup}")
         _check_positive(self.lagrangian_lr, "lagrangian_lr")
+        if self.log_alpha_bounds is not None:
+            bounds = tuple(self.log_alpha_bounds)
+            numbers = all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
+            if len(bounds) != 2 or not numbers or not bounds[0] < bounds[1]:
+                raise ValueError(f"log_alpha_bounds must be (low, high) with low < high, or None; got {bounds!r}")
+            object.__setattr__(self, "log_alpha_bounds", (float(bounds[0]), float(bounds[1])))
 
 
 @dataclass(frozen=True)
@@ -121,7 +181,16 @@ class HeadGating(Method):
     """Trainable per-head gates on `layers` (None = all) with a sparsity penalty, then removal.
 
     Gates are created in `bind`, so that they exist before the optimizer is built. After training:
-    `removed` ({layer: original numbers}), `rounds` (each removal), `report` (the last one).
+    `removed` ({layer: original numbers}), `rounds` (each removal), `report` (the last one). With the
+    Lagrangian (`HardConcreteGates` and a head count), `multipliers` (`lambdas`, a copy) and their
+    `dual_optimizer` live here, outside the model and its optimizer, and in `state_dict`.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> gating = HeadGating(L1Gates(weight=0.1), Removal(keep=6))
+        >>> gating.bind(tiny_model("bert"), taken=set())
+        >>> sorted(gating.hub.gates), gating.gated_heads        # a gate per layer, before the optimizer exists
+        ([0, 1], 8)
     """
 
     default_name = "head_gating"
@@ -145,7 +214,8 @@ class HeadGating(Method):
         self.layers: tuple[int, ...] = ()  # captured for the term: none
         self.gated_layers: tuple[int, ...] = ()
         self.gated_heads = 0
-        self.lambdas = torch.zeros(2)
+        self.multipliers = torch.zeros(2, requires_grad=True)  # CoFi's lambda_1, lambda_2 (a leaf on the CPU)
+        self.dual_optimizer = self._new_dual_optimizer()
         self._gaps: list[torch.Tensor] = []  # constraint gaps of the micro-batches since the last optimizer step
         self.pruned = False
         self.milestones_done = 0
@@ -158,6 +228,18 @@ class HeadGating(Method):
     def lagrangian(self) -> bool:
         """Whether the penalty is CoFi's Lagrangian toward a head count."""
         return isinstance(self.gates, HardConcreteGates) and self.removal.keep is not None
+
+    @property
+    def lambdas(self) -> torch.Tensor:
+        """The Lagrange multipliers `[l1, l2]` (a detached copy; `dual_step` trains them)."""
+        return self.multipliers.detach().clone()
+
+    def _new_dual_optimizer(self) -> torch.optim.Optimizer | None:
+        """Adam maximizing the Lagrangian in the multipliers (CoFi's AdamW at a negative learning rate,
+        without weight decay), or None without a Lagrangian."""
+        if not isinstance(self.gates, HardConcreteGates):
+            return None
+        return torch.optim.Adam([self.multipliers], lr=self.gates.lagrangian_lr, maximize=True)
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name_argument, "layers": self.layers_argument}
@@ -200,11 +282,28 @@ class HeadGating(Method):
         """The penalty's weight at optimizer step `step`."""
         return check_weight(self.schedule(self.progress(step)), f"HeadGating weight at step {step}")
 
+    def initial_heads(self) -> float:
+        """Where the target starts: the expected number of open heads of freshly initialized gates
+        (`gated_heads * P(z != 0)` at `initial_log_alpha`), so that the first gaps do not push gates open."""
+        gates = self.gates
+        gate = pruning.HardConcreteGate(self.gated_heads, gates.initial_log_alpha, gates.temperature, gates.stretch)
+        return float(gate.expected_l0().detach().sum())  # summed as `term` sums: the first gap is exactly 0
+
     def target(self, step: int) -> float:
-        """The Lagrangian's target number of heads at `step`."""
+        """The Lagrangian's target number of heads at `step`: from `initial_heads()` down to `keep`, linearly
+        over the first `target_warmup` of training, then `keep`.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> gating = HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=2))
+            >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+            >>> round(gating.initial_heads(), 2), [round(gating.target(step), 2) for step in (0, 1, 5, 9)]
+            (7.78, [7.78, 6.62, 2.0, 2.0])
+        """
         warmup = self.gates.target_warmup
         ramp = 1.0 if warmup == 0 else min(1.0, self.progress(step) / warmup)
-        return self.gated_heads - (self.gated_heads - self.removal.keep) * ramp
+        start = max(self.initial_heads(), self.removal.keep)
+        return start - (start - self.removal.keep) * ramp
 
     def term(self, probs: AttentionRecord, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the penalty, figures to log) for one micro-batch at optimizer step `step`; 0 once pruned."""
@@ -218,19 +317,43 @@ class HeadGating(Method):
         if not self.lagrangian:
             scale = expected.numel() if self.gates.normalize else 1
             return self.current_weight(step) * expected.sum() / scale, {}
-        gap = (expected.sum() - self.target(step)) / self.gated_heads
-        lambdas = self.lambdas.to(gap.device)
+        gap = expected.sum() - self.target(step)  # in heads
+        lambdas = self.multipliers.detach().to(device=gap.device, dtype=gap.dtype)
         self._gaps.append(gap.detach())
-        return lambdas[0] * gap + lambdas[1] * gap**2, {f"{self.name}/expected_heads": expected.sum().detach()}
+        figures = {f"{self.name}/expected_heads": expected.sum().detach(), f"{self.name}/lambda_1": lambdas[0]}
+        return lambdas[0] * gap + lambdas[1] * gap**2, figures
 
     def dual_step(self) -> None:
-        """Dual ascent, once per optimizer step (whatever the gradient accumulation): the multipliers
-        grow while the constraint is violated, by the mean gap of the step's micro-batches."""
-        if not self._gaps:
-            return
-        gap = torch.stack(self._gaps).mean()
+        """Once per optimizer step, before it (whatever the gradient accumulation): one step of gradient
+        ascent on the multipliers with their own Adam, the gradient of the Lagrangian in them averaged over
+        the step's micro-batches (`[mean g, mean g^2]`, what autograd would give CoFi); then log-alpha is
+        clamped to `log_alpha_bounds`, so what the optimizer step starts from is in bounds.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> gating = HeadGating(HardConcreteGates(lagrangian_lr=0.1), Removal(keep=2))
+            >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+            >>> value, figures = gating.term(None, None, step=0)    # about 7.8 heads open for a target of 2
+            >>> gating.dual_step(); gating.lambdas       # ascent: Adam's first step is lr times the gradient's sign
+            tensor([0.1000, 0.1000])
+        """
+        if self._gaps and self.dual_optimizer is not None:
+            gaps = torch.stack(self._gaps).float().cpu()
+            self.multipliers.grad = torch.stack([gaps.mean(), (gaps**2).mean()])
+            self.dual_optimizer.step()
+            self.multipliers.grad = None
         self._gaps = []
-        self.lambdas = self.lambdas.to(gap.device) + self.gates.lagrangian_lr * torch.stack([gap, gap**2])
+        self._clamp_log_alpha()
+
+    def _clamp_log_alpha(self) -> None:
+        bounds = self.gates.log_alpha_bounds if isinstance(self.gates, HardConcreteGates) else None
+        if bounds is None or self.hub is None or self.pruned:
+            return
+        with torch.no_grad():
+            for layer in self.gated_layers:
+                gate = pruning.hard_concrete(self.hub, layer)
+                if gate is not None:
+                    gate.log_alpha.clamp_(*bounds)
 
     def _gate(self, layer: int) -> torch.Tensor | pruning.HardConcreteGate:
         gate = self.hub.gates.get(layer)
@@ -312,7 +435,8 @@ class HeadGating(Method):
             **super().state_dict(),
             "pruned": self.pruned,
             "removed": {str(layer): heads for layer, heads in self.removed.items()},
-            "lambdas": self.lambdas.tolist(),
+            "lambdas": self.multipliers.tolist(),
+            "dual_optimizer": _adam_state(self.dual_optimizer),
             "milestones_done": self.milestones_done,
         }
 
@@ -320,8 +444,33 @@ class HeadGating(Method):
         super().load_state_dict(state)
         self.pruned = bool(state["pruned"])
         self.removed = {int(layer): list(heads) for layer, heads in state["removed"].items()}
-        self.lambdas = torch.tensor(state["lambdas"])
+        with torch.no_grad():
+            self.multipliers.copy_(torch.tensor(state["lambdas"], dtype=self.multipliers.dtype))
+        self.dual_optimizer = self._new_dual_optimizer()
+        if self.dual_optimizer is not None and state.get("dual_optimizer"):
+            _load_adam_state(self.dual_optimizer, state["dual_optimizer"])
+        self._gaps = []
         self.milestones_done = int(state.get("milestones_done", 0))
+
+
+def _adam_state(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    """The state of the multipliers' Adam as JSON-friendly numbers (the HF adapter writes method state as
+    JSON); float32 values round-trip exactly through Python floats."""
+    if optimizer is None:
+        return None
+    (parameter,) = optimizer.param_groups[0]["params"]
+    state = optimizer.state.get(parameter)
+    if not state:
+        return {}
+    return {key: value.tolist() if value.ndim else float(value) for key, value in state.items()}
+
+
+def _load_adam_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    (parameter,) = optimizer.param_groups[0]["params"]
+    optimizer.state[parameter] = {
+        key: torch.tensor(value, dtype=torch.float32 if key == "step" else parameter.dtype)
+        for key, value in state.items()
+    }
 
 
 def _changing(progress: float) -> float:

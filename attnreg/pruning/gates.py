@@ -35,9 +35,16 @@ def gate_parameters(model: nn.Module) -> list[nn.Parameter]:
     learning rate than the pretrained weights. Empty without a hub.
 
     Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> from attnreg.hub import attach
+        >>> model = tiny_model("bert"); hub = attach(model)
+        >>> _ = make_hard_concrete(hub, 0); _ = hub.gate(1)           # an L0 gate on layer 0, a plain one on 1
         >>> gates = gate_parameters(model); ids = {id(p) for p in gates}
+        >>> [tuple(p.shape) for p in gates]
+        [(4,), (4,)]
         >>> rest = [p for p in model.parameters() if id(p) not in ids]
-        >>> torch.optim.AdamW([{"params": rest, "lr": 5e-5}, {"params": gates, "lr": 0.05, "weight_decay": 0.0}])
+        >>> groups = [{"params": rest, "lr": 5e-5}, {"params": gates, "lr": 0.2, "weight_decay": 0.0}]
+        >>> optimizer = torch.optim.AdamW(groups)
     """
     hub = _hub_or_none(model)
     if hub is None:
@@ -76,6 +83,9 @@ class HardConcreteGate(nn.Module):
     Example:
         >>> gate = HardConcreteGate(num_heads=12, initial_log_alpha=2.0)
         >>> gate.expected_l0().sum()       # expected number of open heads, differentiable
+        tensor(11.6804, grad_fn=<SumBackward0>)
+        >>> gate.eval()(), gate.train()().shape    # eval: the deterministic gate; training: a sample
+        (tensor([1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 1.], grad_fn=<ClampBackward1>), torch.Size([12]))
     """
 
     def __init__(
