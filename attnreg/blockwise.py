@@ -181,6 +181,7 @@ def prior_kl(
     reduction: HeadReduction = "mean_heads",
     causal: bool = False,
     block_size: int = BLOCK_SIZE,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """`attnreg.losses.prior_kl` (same arguments and checks) of the layer `inputs` describe.
 
@@ -197,7 +198,7 @@ def prior_kl(
     if reduction not in ("mean_heads", "mean_attention"):
         raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
     query, key = inputs.query, inputs.key
-    check_prior(prior, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), heads)
+    check_prior(prior, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), heads, values=check_values)
     if causal:
         prior = causal_prior(prior, key.shape[2])
     cross_entropy = prior_cross_entropy(

@@ -170,13 +170,16 @@ def entropy_penalty(
 HeadReduction = Literal["mean_heads", "mean_attention"]
 
 
-def check_prior(prior: torch.Tensor, probs_shape: Sequence[int], heads: Sequence[int] | None = None) -> None:
+def check_prior(
+    prior: torch.Tensor, probs_shape: Sequence[int], heads: Sequence[int] | None = None, values: bool = True
+) -> None:
     """Raise a clear error unless `prior` (and `heads`) can supervise attention of shape `[B, H, T, S]`.
 
     Key indices `[B, T]` must be an integer tensor of keys 0..S-1, or -1 for a row left out. Dense rows
     `[B, T, S]` must be floating point, finite, non-negative, and each sum to 1 (within 1e-3, more for
-    bf16) or be all zeros (row left out). `heads` must be head positions 0..H-1. Costs a few
-    reductions over the prior (and, on a GPU, one synchronization); nothing of the attention's size.
+    bf16) or be all zeros (row left out). `heads` must be head positions 0..H-1. The values cost a few
+    reductions over the prior (and, on a GPU, one synchronization), nothing of the attention's size;
+    `values=False` checks only the type, shape and heads (for a prior already checked this batch).
 
     Example:
         >>> check_prior(torch.tensor([[2, -1, 0]]), (1, 4, 3, 3))       # fine: returns None
@@ -197,11 +200,13 @@ def check_prior(prior: torch.Tensor, probs_shape: Sequence[int], heads: Sequence
             f"prior of shape {tuple(prior.shape)} does not match attention of shape {tuple(probs_shape)} "
             f"[B, H, T, S]: expected key indices {(batch, queries)} or dense rows {(batch, queries, keys)}"
         )
-    if prior.numel() == 0:
+    if prior.dim() == 2 and (prior.dtype.is_floating_point or prior.dtype.is_complex or prior.dtype == torch.bool):
+        raise TypeError(f"prior: key indices [B, T] must be an integer tensor, got {prior.dtype}")
+    if prior.dim() == 3 and not prior.dtype.is_floating_point:
+        raise TypeError(f"prior: dense rows [B, T, S] must be a floating-point tensor, got {prior.dtype}")
+    if prior.numel() == 0 or not values:
         return
     if prior.dim() == 2:
-        if prior.dtype.is_floating_point or prior.dtype.is_complex or prior.dtype == torch.bool:
-            raise TypeError(f"prior: key indices [B, T] must be an integer tensor, got {prior.dtype}")
         low, high = torch.aminmax(prior)
         if bool((low >= -1) & (high < keys)):
             return
@@ -210,8 +215,6 @@ def check_prior(prior: torch.Tensor, probs_shape: Sequence[int], heads: Sequence
             f"prior: row (batch {b}, query {q}) has key index {prior[b, q].item()}, outside 0..{keys - 1} "
             "(only -1 leaves a row out)"
         )
-    if not prior.dtype.is_floating_point:
-        raise TypeError(f"prior: dense rows [B, T, S] must be a floating-point tensor, got {prior.dtype}")
     sums = prior.sum(-1, dtype=torch.float64 if prior.dtype == torch.float64 else torch.float32)
     tolerance = max(1e-3, 2 * torch.finfo(prior.dtype).eps)
     bad = ~(prior.amin(-1) >= 0) | ~sums.isfinite() | (((sums - 1).abs() > tolerance) & (sums != 0))
@@ -254,6 +257,7 @@ def prior_kl(
     heads: Sequence[int] | None = None,
     reduction: HeadReduction = "mean_heads",
     causal: bool = False,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """KL(prior ‖ attention) per query row, averaged over rows that have prior mass.
 
@@ -262,7 +266,8 @@ def prior_kl(
     that is neither raises, naming the first bad row (see `check_prior`).
     `heads` picks the supervised heads (None = all). `reduction`: "mean_heads" averages the per-head
     KLs; "mean_attention" takes the KL of the head-averaged attention. With `causal=True` the prior
-    is first restricted to keys at or before each query (see `causal_prior`). Zero prior entries
+    is first restricted to keys at or before each query (see `causal_prior`). `check_values=False` skips
+    the prior's value checks (`check_prior(..., values=False)`), for a prior already checked. Zero prior entries
     contribute 0, and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
 
     Example:
@@ -274,7 +279,7 @@ def prior_kl(
         raise ValueError(f"probs must be attention of one layer [B, H, T, S], got shape {tuple(probs.shape)}")
     if reduction not in ("mean_heads", "mean_attention"):
         raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
-    check_prior(prior, probs.shape, heads)
+    check_prior(prior, probs.shape, heads, values=check_values)
     if causal:
         prior = causal_prior(prior, probs.shape[-1])
     if heads is not None:

@@ -115,3 +115,48 @@ def test_validation_allocates_nothing_of_the_attention_size():
         check_prior(prior, (4, 64, 64, 64))
     largest = max((event.cpu_memory_usage for event in profile.events()), default=0)
     assert largest < prior.numel()
+
+
+def test_value_checks_can_be_skipped_but_shapes_and_heads_never_are():
+    bad = torch.tensor([[1, 0, 3, -5], [2, 2, -1, 0]])
+    check_prior(bad, (2, 3, 4, 4), values=False)  # the values are someone else's job here
+    with pytest.raises(IndexError, match="key index -5"):
+        check_prior(bad, (2, 3, 4, 4))
+    with pytest.raises(ValueError, match="does not match attention"):
+        check_prior(bad[:, :3], (2, 3, 4, 4), values=False)
+    with pytest.raises(IndexError, match="head 5 is outside"):
+        check_prior(bad, (2, 3, 4, 4), heads=[5], values=False)
+    with pytest.raises(TypeError, match="must be an integer tensor"):
+        check_prior(bad.float(), (2, 3, 4, 4), values=False)
+
+
+@pytest.mark.parametrize("blockwise", [True, False])
+def test_prior_kl_term_checks_the_prior_values_once_per_batch_and_still_refuses_a_bad_one(blockwise, monkeypatch):
+    """Every layer's KL reads the same prior: its values are checked with the first layer only (one GPU sync
+    per batch, not one per layer); a bad prior is still refused, naming its row."""
+    import attnreg
+    from attnreg import blockwise as blockwise_module
+    from attnreg import losses, methods
+    from attnreg.tiny import tiny_model
+
+    model = tiny_model("bert", num_hidden_layers=3).train()
+    term = methods.PriorKL(weight=1.0, heads=[1], blockwise=blockwise)
+    term.bind(model, set())
+    term.start(10)
+    input_ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": input_ids, "attnreg_prior": torch.tensor([[1, 0, 3, -1, 2, 4]] * 2)}
+    calls = []
+
+    def counted(prior, shape, heads=None, values=True):
+        calls.append(values)
+        return check_prior(prior, shape, heads, values)
+
+    module = blockwise_module if blockwise else losses
+    monkeypatch.setattr(module, "check_prior", counted)
+    with attnreg.attach(model).capture(term.layers, inputs=blockwise) as record:
+        model(input_ids=input_ids)
+    value, _ = term.term(record, batch, step=0)
+    assert torch.isfinite(value) and calls == [True, False, False]  # three layers, values checked once
+    batch["attnreg_prior"][1, 4] = 9  # a key index past the 6 tokens
+    with pytest.raises(IndexError, match=r"row \(batch 1, query 4\) has key index 9"):
+        term.term(record, batch, step=0)

@@ -315,9 +315,9 @@ class PriorKL(LossTerm):
             return torch.zeros((), device=next(self.model.parameters()).device), {}
         kl = blockwise.prior_kl if self.inputs else prior_kl
         losses = torch.stack(
-            [
-                kl(self.captured(probs, layer), prior, heads, self.head_reduction, self.causal)
-                for layer, heads in active.items()
+            [  # the prior's values are checked once per batch, with the first layer (one sync, not one a layer)
+                kl(self.captured(probs, layer), prior, heads, self.head_reduction, self.causal, check_values=i == 0)
+                for i, (layer, heads) in enumerate(active.items())
             ]
         )
         return losses.mean(), self.layer_figures(active, losses)
