@@ -477,3 +477,36 @@ def test_head_importance_callback_scores_and_prunes():
     assert curve[0].heads_removed == 0 and len(curve) >= 2
     good = [step for step in curve if step.metric >= 0.5 * curve[0].metric]
     assert pruning.pruned_heads(model) == good[-1].removed
+
+
+def test_protected_heads_stay_whatever_their_gates_and_the_prior_keeps_its_head():
+    """keep=1 with one protected head: that head is the one kept, so the syntax prior on it never loses it."""
+    import warnings
+
+    model = tiny_model("bert", head="classification", initializer_range=0.2)
+    prior = attnreg.SyntaxPriorKL(weight=1.0, heads={0: [1]})
+    gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=1, protect={0: [1]}))
+    data = batches(4)
+    for batch in data:
+        length = batch["input_ids"].shape[1]
+        parents = (torch.arange(length) - 1).expand(len(batch["input_ids"]), length)
+        batch["attnreg_prior"] = parents.masked_fill(batch["attention_mask"] == 0, -1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*was pruned")  # the term would say it lost its head
+        fit(Classifier(model), data, [prior, gating])
+    assert gating.removed == {0: [0, 2, 3], 1: [0, 1, 2, 3]}
+    assert pruning.head_numbers(model, 0) == (1,)
+
+
+def test_protect_is_checked_against_the_model_and_the_head_count():
+    with pytest.raises(ValueError, match="protect holds 2 heads, more than keep=1"):
+        Removal(milestones=[(0.5, 4), (0.8, 1)], protect={0: [0, 1]})
+    with pytest.raises(ValueError, match=r"protect\[0\] must list head numbers"):
+        Removal(protect={0: [-1]})
+    with pytest.raises(TypeError, match="protect must map layers"):
+        Removal(protect=[0, 1])
+    model = tiny_model("bert", head="classification")
+    with pytest.raises(ValueError, match=r"protect names heads \[7\] of layer 1, which has heads \[0, 1, 2, 3\]"):
+        fit(Classifier(model), batches(1), [HeadGating(removal=Removal(keep=2, protect={1: [7]}))])
+    with pytest.raises(ValueError, match="protect names layer 0, not a gated layer"):
+        fit(Classifier(model), batches(1), [HeadGating(layers=[1], removal=Removal(keep=2, protect={0: [1]}))])

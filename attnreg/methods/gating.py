@@ -11,7 +11,8 @@ Three small configs, each a frozen dataclass a Hydra config can name:
   `t` a target falling linearly to K over the first `target_warmup` of training; the multipliers `l1, l2`
   are trained by gradient *ascent* with their own Adam (`lagrangian_lr`), once per optimizer step;
   scores: the deterministic gate.
-- `Removal`: which heads go (all but the `keep` best, else those scoring below `threshold`) and when
+- `Removal`: which heads go (all but the `keep` best, else those scoring below `threshold`; never those
+  in `protect`, `{layer: [original head numbers]}`, such as the heads a syntax prior supervises) and when
   (the end of training by default; `after_steps` optimizer steps or `after_epochs` epochs; or
   progressively at `milestones`, `(progress, heads kept)` pairs).
 
@@ -40,7 +41,7 @@ Example (what an adapter does; `attnreg.HeadGating` is the Lightning one):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,13 +141,24 @@ class HardConcreteGates:
 
 @dataclass(frozen=True)
 class Removal:
-    """Which heads go and when (see the module docstring)."""
+    """Which heads go and when (see the module docstring). `protect` heads always stay and count among
+    the `keep` kept.
+
+    Example:
+        >>> Removal(keep=36, protect={4: [9], 2: [1, 1]}).protect        # original head numbers per layer
+        {2: (1,), 4: (9,)}
+        >>> Removal(keep=1, protect={0: [1], 3: [2]})
+        Traceback (most recent call last):
+        ...
+        ValueError: Removal: protect holds 2 heads, more than keep=1 heads kept
+    """
 
     threshold: float = 0.1
     keep: int | None = None
     after_steps: int | None = None
     after_epochs: int | None = None
     milestones: Milestones | None = field(default=None)
+    protect: Mapping[int, Sequence[int]] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         _check_positive(self.threshold, "threshold")
@@ -158,6 +170,12 @@ class Removal:
         object.__setattr__(self, "milestones", milestones or None)
         if milestones:
             object.__setattr__(self, "keep", milestones[-1][1])
+        protect = _check_protect(self.protect)
+        object.__setattr__(self, "protect", protect or None)
+        counted = sum(len(heads) for heads in protect.values())
+        fewest = min((count for _, count in milestones), default=self.keep)
+        if fewest is not None and counted > fewest:
+            raise ValueError(f"Removal: protect holds {counted} heads, more than keep={fewest} heads kept")
 
     @property
     def during_training(self) -> bool:
@@ -264,6 +282,17 @@ class HeadGating(Method):
                 f"HeadGating: {what}{most} heads, but the gated layers {list(self.gated_layers)} have only "
                 f"{self.gated_heads}"
             )
+        for layer, heads in (removal.protect or {}).items():
+            if layer not in self.gated_layers:
+                raise ValueError(
+                    f"HeadGating: protect names layer {layer}, not a gated layer {list(self.gated_layers)}"
+                )
+            missing = sorted(set(heads) - set(pruning.head_numbers(model, layer)))
+            if missing and not self.pruned:
+                raise ValueError(
+                    f"HeadGating: protect names heads {missing} of layer {layer}, which has heads "
+                    f"{list(pruning.head_numbers(model, layer))} ({type(model).__name__})"
+                )
         if self.pruned:
             return
         for layer in self.gated_layers:
@@ -396,13 +425,18 @@ class HeadGating(Method):
             return {layer: self._gate(layer).deterministic().detach().float().cpu() for layer in self.gated_layers}
 
     def choose(self, keep: int | None) -> dict[int, list[int]]:
-        """Current positions of the heads to remove: all but the `keep` best, else those below the threshold."""
+        """Current positions of the heads to remove: all but the `keep` best, else those below the threshold;
+        never a protected head."""
         model = self.require_bound()
         scores = self.scores()
         for layer, heads in pruning.silenced_heads(model).items():  # chosen before, kept by the grouped-query rule
             if layer in scores:
                 numbers = pruning.head_numbers(model, layer)
                 scores[layer][[numbers.index(head) for head in heads]] = -math.inf
+        for layer, heads in (self.removal.protect or {}).items():
+            if layer in scores:
+                numbers = pruning.head_numbers(model, layer)
+                scores[layer][[numbers.index(head) for head in heads if head in numbers]] = math.inf
         return pruning.select_heads(scores, threshold=self.removal.threshold if keep is None else None, keep=keep)
 
     def prune(
@@ -487,6 +521,28 @@ def _check_positive(value: Any, argument: str) -> None:
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and value > 0):
         raise ValueError(f"{argument} must be a finite number > 0, got {value!r}")
+
+
+def _check_protect(protect: Mapping[int, Sequence[int]] | None) -> dict[int, tuple[int, ...]]:
+    if protect is None:
+        return {}
+    if not isinstance(protect, Mapping):
+        raise TypeError(f"Removal: protect must map layers to original head numbers, e.g. {{4: [9]}}; got {protect!r}")
+
+    def number(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    checked = {}
+    for layer, heads in protect.items():
+        if not number(layer) or isinstance(heads, str) or not isinstance(heads, Iterable):
+            raise TypeError(
+                f"Removal: protect must map layer numbers to lists of head numbers; got {layer!r}: {heads!r}"
+            )
+        heads = list(heads)
+        if not heads or not all(number(head) for head in heads):
+            raise ValueError(f"Removal: protect[{layer}] must list head numbers >= 0, got {heads!r}")
+        checked[layer] = tuple(sorted(set(heads)))
+    return dict(sorted(checked.items()))
 
 
 def _check_milestones(
