@@ -92,7 +92,17 @@ TOKENIZER_FILES = (
 
 
 class InputError(ValueError):
-    """A model or data argument that cannot be used, with the reason."""
+    """A model or data argument that cannot be used, with the reason.
+
+    Example:
+        >>> import tempfile
+        >>> missing = Path(tempfile.mkdtemp(), "dev.conllu")
+        >>> try:
+        ...     load_sentences(missing)
+        ... except ValueError as error:                       # an InputError is a ValueError
+        ...     print(type(error).__name__, "-", error)
+        InputError - data file /.../dev.conllu does not exist
+    """
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +214,22 @@ def _from_checkpoint(path: Path, base: str) -> PreTrainedModel:
 
 
 def load_sentences(path: str | Path, data_format: str = "auto", limit: int | None = None) -> list[Sentence]:
-    """Sentences with trees: gold from CoNLL-U, or parsed with spaCy from a text file (one per line)."""
+    r"""Sentences with trees: gold from CoNLL-U, or parsed with spaCy from a text file (one per line).
+
+    Example:
+        >>> import tempfile
+        >>> words = [("the", 2, "det"), ("dogs", 3, "nsubj"), ("bark", 0, "root")]
+        >>> rows = [f"{i}\t{word}\t_\t_\t_\t_\t{head}\t{rel}\t_\t_" for i, (word, head, rel) in enumerate(words, 1)]
+        >>> path = Path(tempfile.mkdtemp(), "dev.conllu")
+        >>> _ = path.write_text(("# text = the dogs bark\n" + "\n".join(rows) + "\n\n") * 3)   # 3 sentences
+        >>> sentences = load_sentences(path, limit=2)
+        >>> len(sentences), sentences[0].words, sentences[0].heads, sentences[0].text
+        (2, ('the', 'dogs', 'bark'), (2, 3, 0), 'the dogs bark')
+        >>> load_sentences(path, data_format="csv")
+        Traceback (most recent call last):
+        ...
+        attnreg.analyze.InputError: unknown data format 'csv'; use conllu, text or auto
+    """
     path = Path(path)
     if not path.is_file():
         raise InputError(f"data file {path} does not exist")
@@ -250,7 +275,25 @@ def write_report(
     collapse_threshold: float = 0.9,
     plots: bool = True,
 ) -> Path:
-    """Write the report files of `analysis` into `out` (see the module docstring); returns `out`."""
+    """Write the report files of `analysis` into `out` (see the module docstring); returns `out`.
+
+    Example (without the PNGs; `main` draws them):
+        >>> import tempfile
+        >>> from attnreg.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(vocabulary()); model = tiny_model("bert", vocab=len(tokenizer)).eval()
+        >>> sentences = [example.sentence for example in generate(4, seed=0)]     # with gold trees
+        >>> meta = {"model": "tiny_bert", "data": "agreement"}
+        >>> out = write_report(analyze(model, tokenizer, sentences), tempfile.mkdtemp(), model, tokenizer,
+        ...                    sentences[0], meta, min_relation_words=1, plots=False)
+        >>> sorted(path.name for path in out.iterdir())
+        ['relations.csv', 'roles.csv', 'statistics.csv', 'statistics.json', 'summary.md']
+        >>> (out / "summary.md").read_text().splitlines()[0]
+        '# Attention analysis: tiny_bert'
+        >>> report = json.loads((out / "statistics.json").read_text())
+        >>> report["sequences"], report["tokens"], len((out / "statistics.csv").read_text().splitlines())  # 8 heads
+        (4, 48, 9)
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     roles = analysis.roles(thresholds)
@@ -402,6 +445,14 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 # Command line
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of `attnreg-analyze`, with an option per role threshold (`--broad 0.9`).
+
+    Example:
+        >>> args = build_parser().parse_args(["run.ckpt", "dev.conllu", "--base", "./minilm", "--limit", "500",
+        ...                                   "--broad", "0.9"])
+        >>> args.model, args.data, args.base, args.limit, args.data_format, args.out, args.broad, args.no_plots
+        ('run.ckpt', 'dev.conllu', './minilm', 500, 'auto', 'attnreg-report', 0.9, False)
+    """
     parser = argparse.ArgumentParser(
         prog="attnreg-analyze",
         description="Analyze the attention heads of a model on sentences and write a report folder.",
@@ -428,7 +479,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `attnreg-analyze`."""
+    """Entry point of `attnreg-analyze`: returns 0, or exits with status 2 and the reason when MODEL or DATA
+    cannot be used (the module docstring shows a full run).
+
+    Example:
+        >>> import contextlib, sys, tempfile
+        >>> folder = tempfile.mkdtemp()                                # no saved model in it
+        >>> with contextlib.redirect_stderr(sys.stdout):
+        ...     try:
+        ...         main([folder, folder + "/dev.conllu"])
+        ...     except SystemExit as stop:
+        ...         print("exit status", stop.code)
+        attnreg-analyze: error: /... is a directory without config.json: not a saved transformers model
+        exit status 2
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.threads:

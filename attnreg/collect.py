@@ -32,7 +32,22 @@ DEFAULT_METRICS = (
 
 
 def load_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """Every job under `sweep_dir` with a `summary.json`: `{"job", "overrides", "summary"}`, by job folder."""
+    r"""Every job under `sweep_dir` with a `summary.json`: `{"job", "overrides", "summary"}`, by job folder.
+
+    Example:
+        >>> import tempfile
+        >>> sweep = Path(tempfile.mkdtemp())                       # multirun/DATE/TIME, two jobs
+        >>> for job, seed, accuracy in [("0", 0, 0.8), ("1", 1, 0.9)]:
+        ...     (sweep / job / ".hydra").mkdir(parents=True)
+        ...     _ = (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n- attnreg=none\n")
+        ...     _ = (sweep / job / "summary.json").write_text(json.dumps({"accuracy": {"val": accuracy}}))
+        >>> load_runs(sweep)[1]
+        {'job': '1', 'overrides': {'seed': '1', 'attnreg': 'none'}, 'summary': {'accuracy': {'val': 0.9}}}
+        >>> load_runs(sweep / "0" / ".hydra")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: no summary.json under /.../0/.hydra (is it the folder of a finished multirun?)
+    """
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"sweep folder {str(sweep_dir)!r} does not exist")
@@ -54,7 +69,13 @@ def load_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def value_at(summary: Mapping[str, Any], path: str) -> float | None:
-    """The number at a dotted `path` of `summary` ("accuracy.hard"); None where it is missing."""
+    """The number at a dotted `path` of `summary` ("accuracy.hard"); None where it is missing.
+
+    Example:
+        >>> summary = {"accuracy": {"hard": 0.75, "val": 1}, "pruning": None, "passed": True}
+        >>> [value_at(summary, path) for path in ("accuracy.hard", "accuracy.val", "accuracy.test", "passed")]
+        [0.75, 1.0, None, None]
+    """
     value: Any = summary
     for part in path.split("."):
         if not isinstance(value, Mapping) or part not in value:
@@ -64,7 +85,13 @@ def value_at(summary: Mapping[str, Any], path: str) -> float | None:
 
 
 def varying_keys(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Override keys whose value differs between runs (or that some runs lack), in first-seen order."""
+    """Override keys whose value differs between runs (or that some runs lack), in first-seen order.
+
+    Example:
+        >>> runs = [{"overrides": {"seed": "0", "lr": "0.1"}}, {"overrides": {"seed": "1", "lr": "0.1", "a": "none"}}]
+        >>> varying_keys(runs)                               # lr is the same everywhere; one run lacks a
+        ['seed', 'a']
+    """
     keys = list(dict.fromkeys(key for run in runs for key in run["overrides"]))
     return [key for key in keys if len({run["overrides"].get(key) for run in runs}) > 1]
 
@@ -76,6 +103,15 @@ def collect(
 
     Returns `{"keys": [...], "metrics": [...], "groups": [{"overrides", "runs", "<metric>": {"mean",
     "std", "values"}}]}`; metrics that no run has are left out.
+
+    Example:
+        >>> rows = [("0", "0", 0.5), ("0", "1", 0.7), ("1", "0", 0.9)]            # weight, seed, val accuracy
+        >>> runs = [{"overrides": {"weight": w, "seed": s}, "summary": {"accuracy": {"val": v}}} for w, s, v in rows]
+        >>> table = collect(runs, metrics=["accuracy.val", "accuracy.test"])
+        >>> table["keys"], table["metrics"]                                 # no run has accuracy.test
+        (['weight'], ['accuracy.val'])
+        >>> table["groups"][0]
+        {'overrides': {'weight': '0'}, 'runs': 2, 'accuracy.val': {'mean': 0.6, 'std': 0.141, 'values': [0.5, 0.7]}}
     """
     keys = [key for key in varying_keys(runs) if key != over]
     metrics = [m for m in metrics if any(value_at(run["summary"], m) is not None for run in runs)]
@@ -97,7 +133,17 @@ def collect(
 
 
 def markdown(table: Mapping[str, Any]) -> str:
-    """The collected table as markdown: one row per group, `mean ± std` per metric."""
+    """The collected table as markdown: one row per group, `mean ± std` per metric.
+
+    Example:
+        >>> rows = [("0", "0", 0.5), ("0", "1", 0.7), ("1", "0", 0.9)]            # weight, seed, val accuracy
+        >>> runs = [{"overrides": {"weight": w, "seed": s}, "summary": {"accuracy": {"val": v}}} for w, s, v in rows]
+        >>> print(markdown(collect(runs, metrics=["accuracy.val"])), end="")
+        | weight | runs | accuracy.val |
+        |---|---|---|
+        | 0 | 2 | 0.600 ± 0.141 |
+        | 1 | 1 | 0.900 |
+    """
     header = [*table["keys"], "runs", *table["metrics"]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in table["groups"]:
@@ -115,7 +161,22 @@ def _mean_std(stats: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`attnreg-collect SWEEP_DIR [--metrics ...] [--over seed]`: see the module docstring."""
+    r"""`attnreg-collect SWEEP_DIR [--metrics ...] [--over seed]`: see the module docstring.
+
+    Example:
+        >>> import tempfile
+        >>> sweep = Path(tempfile.mkdtemp())                       # multirun/DATE/TIME, two jobs
+        >>> for job, seed, accuracy in [("0", 0, 0.8), ("1", 1, 0.9)]:
+        ...     (sweep / job / ".hydra").mkdir(parents=True)
+        ...     _ = (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n- attnreg=none\n")
+        ...     _ = (sweep / job / "summary.json").write_text(json.dumps({"accuracy": {"val": accuracy}}))
+        >>> main([str(sweep), "--metrics", "accuracy.val", "accuracy.test"])     # seeds grouped, no accuracy.test
+        | runs | accuracy.val |
+        |---|---|
+        | 2 | 0.850 ± 0.071 |
+        >>> sorted(path.name for path in sweep.iterdir())
+        ['0', '1', 'collected.json', 'collected.md']
+    """
     parser = argparse.ArgumentParser(description="Collect the summaries of an attnreg-train multirun into a table.")
     parser.add_argument("sweep_dir", help="the multirun folder (multirun/DATE/TIME)")
     parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="dotted paths into summary.json")

@@ -43,7 +43,18 @@ _SAVE_ATTR = "save_pretrained"
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """Head layout of one attention layer, read from the current weight shapes."""
+    """Head layout of one attention layer, read from the current weight shapes.
+
+    Example:
+        >>> import attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("llama"); hub = attach(model)       # 4 query heads sharing 2 key/value heads
+        >>> hub.layers[1]
+        LayerInfo(index=1, num_heads=4, num_kv_heads=2, head_dim=8)
+        >>> _ = attnreg.pruning.prune_heads(model, {1: [0, 1]})     # one whole key/value group
+        >>> hub.layers[1]
+        LayerInfo(index=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    """
 
     index: int
     num_heads: int
@@ -77,7 +88,17 @@ class _LayerState:
 class LayerInputs:
     """What one layer's attention function received, for losses that recompute what they need in blocks
     (`attnreg.blockwise`): `query` `[B, H, T, d]` (divided by the hub's temperature), `key` `[B, H_kv, S, d]`
-    (after RoPE, grouped-query heads not repeated), the SDPA `attention_mask`, `scaling`, `causal`."""
+    (after RoPE, grouped-query heads not repeated), the SDPA `attention_mask`, `scaling`, `causal`.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> hub = attach(tiny_model("llama"))                     # 4 query heads, 2 key/value heads of 8
+        >>> with hub.capture(layers=[0], inputs=True) as record:
+        ...     _ = hub.model(input_ids=torch.tensor([[5, 6, 7]]))
+        >>> inputs = record[0]
+        >>> inputs.query.shape, inputs.key.shape, inputs.scaling, inputs.causal, inputs.requires_grad
+        (torch.Size([1, 4, 3, 8]), torch.Size([1, 2, 3, 8]), 0.35355, True, True)
+    """
 
     query: torch.Tensor
     key: torch.Tensor
@@ -96,6 +117,19 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
 
     `record[layer]` is the latest forward pass; `record.calls(layer)` lists every pass in the block
     (generation makes one per token).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2"); hub = attach(model)
+        >>> with hub.capture(layers=[1]) as record:
+        ...     _ = model(input_ids=torch.tensor([[5, 6, 7]]))
+        ...     _ = model(input_ids=torch.tensor([[8, 9]]))
+        >>> list(record), record[1].shape, [tuple(probs.shape) for probs in record.calls(1)]   # the latest; every pass
+        ([1], torch.Size([1, 4, 2, 2]), [(1, 4, 3, 3), (1, 4, 2, 2)])
+        >>> record[0]
+        Traceback (most recent call last):
+        ...
+        KeyError: 'no attention recorded for layer 0; captured layers: [1], with a forward pass so far: [1]'
     """
 
     def __init__(self, layers: tuple[int, ...], require_grad: bool = False, inputs: bool = False) -> None:
@@ -149,7 +183,20 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The registered "attnreg" attention function (see transformers' AttentionInterface)."""
+    """The registered "attnreg" attention function (see transformers' AttentionInterface).
+
+    Example:
+        >>> from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        >>> from attnreg.tiny import tiny_model
+        >>> hub = attach(tiny_model("bert")); ALL_ATTENTION_FUNCTIONS["attnreg"] is attention_forward
+        True
+        >>> query = key = value = torch.randn(1, 4, 3, 8)                    # [batch, heads, tokens, head_dim]
+        >>> with hub.capture(layers=[0]) as probs:                          # layer 0 captured, layer 1 on SDPA
+        ...     captured, weights = attention_forward(hub.attention(0), query, key, value, None)
+        >>> plain, none = attention_forward(hub.attention(1), query, key, value, None)
+        >>> captured.shape, weights is probs[0], none, torch.allclose(captured, plain, atol=1e-6)
+        (torch.Size([1, 3, 4, 8]), True, None, True)
+    """
     if kwargs.get("head_mask") is not None:
         raise ValueError(_HEAD_MASK_MESSAGE)
     state: _LayerState | None = getattr(module, _STATE_ATTR, None)
@@ -224,7 +271,17 @@ def attention_scores(
     causal: bool = False,
 ) -> torch.Tensor:
     """Masked attention logits `[B, H, T, S]` (masked keys at the dtype's minimum): what the softmax of
-    `attention_probabilities` takes. Arguments as there."""
+    `attention_probabilities` takes. Arguments as there.
+
+    Example:
+        >>> query, key = torch.ones(1, 2, 2, 4), torch.ones(1, 1, 2, 4)     # 2 query heads share 1 key head
+        >>> mask = torch.tensor([True, False])                               # the second key is masked
+        >>> scores = attention_scores(query, key, mask, scaling=0.5, temperature=torch.tensor([1.0, 2.0]))
+        >>> scores.shape, scores[0, :, 0, 0].tolist()                        # q.k = 4, times 0.5, / temperature
+        (torch.Size([1, 2, 2, 2]), [2.0, 1.0])
+        >>> bool((scores[..., 1] == torch.finfo(torch.float32).min).all())
+        True
+    """
     key = repeat_kv(key, query.shape[1] // key.shape[1])
     # In-place from here on: none of these ops needs its input for backward, and every attention-sized
     # allocation costs time at long sequence lengths.
@@ -566,12 +623,31 @@ def attach(model: nn.Module) -> AttentionHub:
 
 
 def is_attached(model: nn.Module) -> bool:
-    """Whether `attnreg.attach(model)` was called (and not undone)."""
+    """Whether `attnreg.attach(model)` was called (and not undone).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2"); before = is_attached(model)
+        >>> _ = attach(model); attached = is_attached(model)
+        >>> detach(model); before, attached, is_attached(model)
+        (False, True, False)
+    """
     return getattr(model, _HUB_ATTR, None) is not None
 
 
 def hub_of(model: nn.Module) -> AttentionHub:
-    """The hub of a model already attached; raises if `attnreg.attach(model)` was never called."""
+    """The hub of a model already attached; raises if `attnreg.attach(model)` was never called.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> hub_of(model)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: BertModel is not attached: call attnreg.attach(model) first
+        >>> hub = attach(model); hub_of(model) is hub
+        True
+    """
     hub = getattr(model, _HUB_ATTR, None)
     if hub is None:
         raise RuntimeError(f"{type(model).__name__} is not attached: call attnreg.attach(model) first")

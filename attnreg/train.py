@@ -146,7 +146,18 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
 
 
 def attnreg_settings(cfg: DictConfig) -> dict[str, DictConfig]:
-    """{name: config node} of the attnreg callbacks that `cfg` turns on (a null node is off)."""
+    """{name: config node} of the attnreg callbacks that `cfg` turns on (a null node is off).
+
+    Example:
+        >>> from attnreg.configs import CONFIG_DIR
+        >>> choices = [[], ["attnreg=[syntax_kl,entropy]"], ["attnreg=none"], ["attnreg.syntax_kl=null"]]
+        >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        ...     configs = [hydra.compose("train", overrides) for overrides in choices]
+        >>> [list(attnreg_settings(cfg)) for cfg in configs]
+        [['syntax_kl'], ['syntax_kl', 'entropy'], [], []]
+        >>> attnreg_settings(configs[0])["syntax_kl"]._target_
+        'attnreg.SyntaxPriorKL'
+    """
     return {name: node for name, node in (cfg.get("attnreg") or {}).items() if node is not None}
 
 
@@ -237,7 +248,13 @@ def describe_settings(value: Any) -> str:
 
 
 def training_length(trainer: L.Trainer) -> str:
-    """How long `trainer` will fit: "40 epochs", "100 steps", or "100 steps (at most 40 epochs)"."""
+    """How long `trainer` will fit: "40 epochs", "100 steps", or "100 steps (at most 40 epochs)".
+
+    Example:
+        >>> lengths = [{"max_epochs": 40}, {"max_steps": 100}, {"max_steps": 1, "max_epochs": 3}]
+        >>> [training_length(L.Trainer(logger=False, **length)) for length in lengths]
+        ['40 epochs', '100 steps', '1 step (at most 3 epochs)']
+    """
     steps = _count(trainer.max_steps, "step") if trainer.max_steps >= 0 else None
     epochs = _count(trainer.max_epochs, "epoch") if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
     if steps and epochs:
@@ -262,7 +279,22 @@ def summarize(
     seconds: float,
     choices: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The run summary: settings, accuracy per held-out set, parent accuracy, entropy per layer."""
+    """The run summary: settings, accuracy per held-out set, parent accuracy, entropy per layer.
+
+    Example (of a model not trained yet):
+        >>> import attnreg
+        >>> from attnreg.datamodules import AgreementDataModule
+        >>> from attnreg.models import tiny_classifier
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2); data.setup("fit")
+        >>> model = tiny_classifier(data.tokenizer, num_labels=2)
+        >>> callbacks = {"kl": attnreg.SyntaxPriorKL(layers=[0], heads=[1])}           # supervises head 1 of layer 0
+        >>> cfg, choices = OmegaConf.create({"seed": 0}), {"model": "tiny_bert", "hydra/launcher": "basic"}
+        >>> summary = summarize(cfg, model, data, callbacks, L.Trainer(logger=False), 1.23, choices)
+        >>> summary["choices"], summary["attnreg"], summary["steps"], summary["train_seconds"], summary["pruning"]
+        ({'model': 'tiny_bert'}, {'kl': 'SyntaxPriorKL'}, 0, 1.2, None)
+        >>> sorted(summary["accuracy"]), len(summary["entropy"]), list(summary["parent_accuracy"]["supervised"])
+        (['hard', 'test', 'val'], 2, ['L0H1'])
+    """
     eval_sets = data.eval_sets()
     summary: dict[str, Any] = {
         "choices": {key: value for key, value in choices.items() if not key.startswith("hydra")},
@@ -304,13 +336,34 @@ def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | N
 
 def prior_arcs(data: Any) -> dict[str, int] | None:
     """What the syntax prior covered over the run (sentences, arcs, arcs dropped by truncation or shared
-    tokens), or None when the data built no prior."""
+    tokens), or None when the data built no prior.
+
+    Example:
+        >>> from attnreg.datamodules import AgreementDataModule
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2); data.setup("fit")
+        >>> _ = next(iter(data.loader("val")))                  # the collator counts what it built
+        >>> prior_arcs(data), prior_arcs(AgreementDataModule(with_prior=False))
+        ({'sentences': 4, 'arcs': 39, 'arcs_dropped': 0}, None)
+    """
     stats = getattr(data.collator(), "stats", None)
     return None if stats is None else dataclasses.asdict(stats)
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """The summary as a few lines of text (what `attnreg-train` prints at the end)."""
+    """The summary as a few lines of text (what `attnreg-train` prints at the end).
+
+    Example:
+        >>> summary = {"seed": 0, "steps": 40, "train_seconds": 3.2, "attnreg": {"kl": "SyntaxPriorKL"},
+        ...            "accuracy": {"val": 0.9, "test": 0.875}, "entropy": [0.61, 0.42], "output_dir": "outputs/run",
+        ...            "pruning": {"removed": {"1": [0, 3]}, "heads_left": [4, 2], "saved": "outputs/run/pruned_model"}}
+        >>> print(format_summary(summary))
+        attnreg-train: run, seed 0, 40 steps in 3.2 s
+        callbacks: kl (SyntaxPriorKL)
+        accuracy: val 0.900, test 0.875
+        attention entropy per layer (normalized): 0.610, 0.420
+        heads pruned: layer 1: [0, 3] (heads left per layer [4, 2], saved to outputs/run/pruned_model)
+        outputs: outputs/run
+    """
     choices = summary.get("choices", {})
     setting = f"{choices.get('model', 'model')} on {choices.get('data', 'data')}" if choices else "run"
     lines = [
@@ -372,14 +425,45 @@ def metric(summary: Mapping[str, Any], path: str) -> float:
 
 def main() -> None:
     """`attnreg-train`: see the module docstring. Registers the configs' resolvers, then lets Hydra run
-    `job` once or as a multirun, as the command line says."""
+    `job` once or as a multirun, as the command line says.
+
+    Example (`attnreg-train attnreg=entropy attnreg.entropy.weight=0.1 --cfg job --package attnreg`: Hydra
+    prints that part of the composed config and runs nothing; the module docstring shows a run):
+        >>> import sys
+        >>> from unittest import mock
+        >>> argv = "attnreg-train attnreg=entropy attnreg.entropy.weight=0.1 --cfg job --package attnreg".split()
+        >>> with mock.patch.object(sys, "argv", argv):
+        ...     main()
+        # @package attnreg
+        entropy:
+          _target_: attnreg.EntropyRegularizer
+          weight: 0.1
+          mode: min
+        ...
+    """
     register_resolvers()  # before Hydra composes: `--cfg job --resolve` needs them too
     job()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def job(cfg: DictConfig) -> float | None:
-    """One Hydra job: `train` into Hydra's output folder. Returns `optimized_metric` of the summary (for sweepers)."""
+    """One Hydra job: `train` into Hydra's output folder. Returns `optimized_metric` of the summary (for sweepers).
+
+    Example (as Hydra runs one job, with `train` stubbed out; the module docstring trains for real):
+        >>> import sys, tempfile
+        >>> from unittest import mock
+        >>> from attnreg.configs import CONFIG_DIR
+        >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        ...     cfg = hydra.compose("train", ["optimized_metric=accuracy.test"], return_hydra_config=True)
+        >>> cfg.hydra.runtime.output_dir = tempfile.mkdtemp(); HydraConfig.instance().set_config(cfg)
+        >>> summary = {"accuracy": {"val": 0.5, "test": 0.75}}
+        >>> with mock.patch.object(sys.modules[__name__], "train", return_value=summary) as fake_train:
+        ...     job(cfg)                                    # given a config, hydra.main calls the function itself
+        0.75
+        >>> fake_train.call_args.args[1] == cfg.hydra.runtime.output_dir, fake_train.call_args.args[2]["model"]
+        (True, 'tiny_bert')
+        >>> HydraConfig.instance().cfg = None                 # no job left behind, as after Hydra's own
+    """
     hydra_cfg = HydraConfig.get()
     summary = train(cfg, hydra_cfg.runtime.output_dir, dict(hydra_cfg.runtime.choices))
     if summary is None or not cfg.get("optimized_metric"):

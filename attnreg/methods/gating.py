@@ -59,7 +59,19 @@ Milestones = Sequence[tuple[float, int]]
 
 @dataclass(frozen=True)
 class L1Gates:
-    """Gates starting at 1 with an L1 penalty of `weight` (a number or a schedule of progress)."""
+    """Gates starting at 1 with an L1 penalty of `weight` (a number or a schedule of progress).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> gating = HeadGating(L1Gates(weight=0.1), Removal(keep=6))
+        >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+        >>> gating.term(None, None, step=0)[0]              # 0.1 * sum |g| / 8 gated heads, every gate at 1
+        tensor(0.1000, grad_fn=<DivBackward0>)
+        >>> L1Gates(weight=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: gates: weight must be a finite number >= 0 or a schedule of progress, got -1.0
+    """
 
     weight: ScheduleLike = 0.01
     normalize: bool = True
@@ -187,7 +199,18 @@ class Removal:
 class PruningRound:
     """One removal: at optimizer step `step`, the heads chosen (original numbers per layer; heads silenced
     in an earlier round under the grouped-query rule are chosen again) and what
-    `attnreg.pruning.prune_heads` did (`report.heads`: heads per layer afterwards)."""
+    `attnreg.pruning.prune_heads` did (`report.heads`: heads per layer afterwards).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> gating = HeadGating(L1Gates(), Removal(keep=6))
+        >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+        >>> _ = gating.hub.gate(1).data.copy_(torch.tensor([1.0, 0.5, 0.0, 0.2]))   # as if trained
+        >>> _ = gating.prune([], step=3, keep=6)
+        >>> done = gating.rounds[-1]
+        >>> done.step, done.chosen, done.final, done.report.heads         # heads: (query, key/value) per layer
+        (3, {1: [2, 3]}, True, {0: (4, 4), 1: (2, 2)})
+    """
 
     step: int
     chosen: dict[int, list[int]]

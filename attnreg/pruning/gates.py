@@ -17,6 +17,21 @@ def fold_gates(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = (
     output projections and remove the gates; the model computes the same function without them.
 
     The gates' parameters are dropped from `optimizers` and returned.
+
+    Example:
+        >>> from attnreg.hub import attach
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert").eval(); hub = attach(model); ids = torch.tensor([[5, 6, 7]])
+        >>> _ = make_hard_concrete(hub, 0, initial_log_alpha=0.0)           # every head of layer 0 at 0.5
+        >>> _ = hub.gate(1).data.copy_(torch.tensor([1.0, 0.5, 0.0, 2.0]))   # a plain gate on layer 1
+        >>> optimizer = torch.optim.Adam(gate_parameters(model))
+        >>> with torch.no_grad():
+        ...     gated = model(input_ids=ids).last_hidden_state
+        ...     removed = fold_gates(model, [optimizer])
+        ...     torch.allclose(model(input_ids=ids).last_hidden_state, gated, atol=1e-6)
+        True
+        >>> hub.gates, [tuple(p.shape) for p in removed], optimizer.param_groups[0]["params"]
+        ({}, [(4,), (4,)], [])
     """
     hub = _hub_or_none(model)
     if hub is None:
@@ -139,6 +154,20 @@ def make_hard_concrete(
     """Install a `HardConcreteGate` as the hub gate of `layer` (or return the one already there).
 
     Its log-alpha is saved in the state_dict as `...attnreg_gate.log_alpha`.
+
+    Example:
+        >>> from attnreg.hub import attach
+        >>> from attnreg.tiny import tiny_model
+        >>> hub = attach(tiny_model("bert"))
+        >>> gate = make_hard_concrete(hub, 1, initial_log_alpha=3.0)
+        >>> gate, make_hard_concrete(hub, 1) is gate, gate.training        # follows the model's train mode
+        (HardConcreteGate(heads=4, temperature=0.6667, stretch=(-0.1, 1.1)), True, True)
+        >>> [key for key in hub.model.state_dict() if "attnreg_gate" in key]
+        ['encoder.layer.1.attention.self.attnreg_gate.log_alpha']
+        >>> _ = hub.gate(0); make_hard_concrete(hub, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: layer 0 already has a Parameter gate; remove it first
     """
     existing = getattr(hub.attention(layer), GATE, None)
     if isinstance(existing, HardConcreteGate):
@@ -154,6 +183,15 @@ def make_hard_concrete(
 
 
 def hard_concrete(hub: AttentionHub, layer: int) -> HardConcreteGate | None:
-    """The hard-concrete gate of `layer`, or None."""
+    """The hard-concrete gate of `layer`, or None.
+
+    Example:
+        >>> from attnreg.hub import attach
+        >>> from attnreg.tiny import tiny_model
+        >>> hub = attach(tiny_model("bert"))
+        >>> gate = make_hard_concrete(hub, 0); _ = hub.gate(1)     # an L0 gate on layer 0, a plain one on 1
+        >>> hard_concrete(hub, 0) is gate, hard_concrete(hub, 1)
+        (True, None)
+    """
     gate = getattr(hub.attention(layer), GATE, None)
     return gate if isinstance(gate, HardConcreteGate) else None
