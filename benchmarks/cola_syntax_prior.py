@@ -134,7 +134,7 @@ def main() -> None:
     heads = {layer: int(natural.accuracy[layer].argmax()) for layer in range(natural.accuracy.shape[0])}
     print("supervised heads (best natural head per layer on 300 EWT train sentences):", heads)
     pretrained_test = parent_accuracy(load_model(0, tiny), tokenizer, ewt_test)
-    relations = [r for r in pretrained_test.relation_words() if r != "root"][: args.relations]
+    relations = list(pretrained_test.relation_words())[: args.relations]
 
     texts, labels = read_cola(data_path("cola"), "train")
     dev_texts, dev_labels = read_cola(data_path("cola"), "dev")

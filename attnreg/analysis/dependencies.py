@@ -186,6 +186,8 @@ class ParentAccuracy:
         >>> result.update({0: probs}, targets)
         >>> result.accuracy, result.words, result.best_head(), result.baseline(1), result.best_baseline()
         (tensor([[1.]]), 2, (0, 0, 1.0), 0.5, (1, 0.5))
+        >>> result.relation_words()                      # scored words per relation: the root is not scored
+        {'amod': 1, 'det': 1}
     """
 
     hits: torch.Tensor
@@ -316,6 +318,8 @@ class ParentAccuracy:
             self.reverse_hits[layer, columns] += totals[1]
             by_relation[:, :, layer, columns] += per_relation.double().cpu()
         for code, relation in enumerate(targets.relations):
+            if relation not in self.by_relation:
+                continue  # no scored word of it yet (the root)
             hits, words = self.by_relation[relation]
             self.by_relation[relation] = (hits + by_relation[0, code], words)
             self.reverse_by_relation[relation] = self.reverse_by_relation[relation] + by_relation[1, code]
@@ -329,6 +333,8 @@ class ParentAccuracy:
         words = torch.bincount(codes, minlength=relations)
         self.words += int(scored.sum())
         for code, relation in enumerate(targets.relations):
+            if not words[code]:
+                continue  # e.g. the root: named in the batch, never scored
             if relation not in self.by_relation:
                 self.by_relation[relation] = (torch.zeros_like(self.hits), 0)
                 self.reverse_by_relation[relation] = torch.zeros_like(self.hits)
