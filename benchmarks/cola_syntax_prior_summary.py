@@ -37,9 +37,14 @@ def collect(results: Path) -> dict[tuple, dict[int, dict]]:
         if setup.get("quick"):
             continue
         for run in report["runs"]:
-            weight = None if run["variant"] == "baseline" else setup["weight"]
-            key = (run["variant"], weight, setup.get("weight_warmup", 0.0), setup["epochs"], str(setup["heads"]))
-            groups[key][run["seed"]] = {**run, "run": path.parent.name}
+            baseline = run["variant"] == "baseline"  # the prior's weight and warmup do not touch it
+            weight, warmup = (None, 0.0) if baseline else (setup["weight"], setup.get("weight_warmup", 0.0))
+            key = (run["variant"], weight, warmup, setup["epochs"], str(setup["heads"]))
+            seen = groups[key].get(run["seed"])
+            if seen is not None and (seen["mcc"], seen["supervised_mean"]) != (run["mcc"], run["supervised_mean"]):
+                raise SystemExit(f"{path}: {key} seed {run['seed']} differs from the same run in {seen['runs']}")
+            runs = (seen["runs"] if seen else []) + [path.parent.name]  # the runs are deterministic per seed
+            groups[key][run["seed"]] = {**run, "runs": runs}
     return groups
 
 
@@ -64,7 +69,7 @@ def summarize(groups: dict[tuple, dict[int, dict]]) -> list[dict]:
                 "supervised_mean": [runs[s]["supervised_mean"] for s in seeds],
                 "best_head_accuracy": [runs[s]["best_head_accuracy"] for s in seeds],
                 "best_head": runs[seeds[0]]["best_head"],
-                "runs": sorted({runs[s]["run"] for s in seeds}),
+                "runs": sorted({name for s in seeds for name in runs[s]["runs"]}),
             }
         )
     return rows
