@@ -75,3 +75,17 @@ def fit(module, batches, callbacks=()) -> L.Trainer:
     )
     trainer.fit(module, DataLoader(batches, batch_size=None))
     return trainer
+
+
+def trainer(tmp_path, max_steps, callbacks, **options) -> L.Trainer:
+    """A real, quiet Lightning trainer on CPU that checkpoints into `tmp_path` (for resuming tests)."""
+    return L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        **options,
+    )

@@ -8,7 +8,7 @@ import json
 import lightning as L
 import pytest
 import torch
-from conftest import Classifier
+from conftest import Classifier, trainer
 from torch.utils.data import DataLoader
 
 from attnreg import pruning
@@ -197,19 +197,6 @@ def test_method_state_restores_the_multipliers_and_their_adam_exactly_through_js
             method.term(None, None, step)
             method.dual_step()
         assert torch.equal(resumed.lambdas, gating.lambdas)
-
-
-def trainer(tmp_path, steps, callbacks):
-    """A quiet Lightning trainer that checkpoints into `tmp_path` (conftest's `fit` does not)."""
-    return L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-    )
 
 
 def test_a_lightning_checkpoint_resumes_the_multipliers_and_their_adam_exactly(tmp_path):

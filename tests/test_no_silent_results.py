@@ -9,7 +9,7 @@ import conftest
 import lightning as L
 import pytest
 import torch
-from conftest import fit, padded_batch
+from conftest import fit, padded_batch, trainer
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import AutoModelForSequenceClassification
 
@@ -44,19 +44,6 @@ def batches(count, seed=0):
 
 def classifier(family="bert", **options):
     return Classifier(tiny_model(family, head="classification", **options).train())
-
-
-def trainer(tmp_path, max_steps, callbacks, **options):
-    return L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-        **options,
-    )
 
 
 # -- two callbacks of one class -------------------------------------------------------------------------------
