@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import fit, main_output, padded_batch
+from conftest import trainer as make_trainer
 from torch.utils.data import DataLoader
 
 import attnreg
@@ -224,24 +225,11 @@ def test_adam_state_of_kept_heads_is_the_sliced_state_at_pruning():
             assert torch.equal(after.state[c_proj][key], before.optimizer_state[c_proj][key][columns])
 
 
-def resume_trainer(tmp_path, steps, callbacks):
-    return L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-    )
-
-
 def test_resume_from_a_checkpoint_taken_after_pruning(tmp_path):
     options = dict(gates=HardConcreteGates(), removal=Removal(keep=5, after_steps=3))
     gating = HeadGating(**options)
     module = Classifier(tiny_model("bert", head="classification"), decay=0.9)
-    trainer = resume_trainer(tmp_path, 5, [gating])
+    trainer = make_trainer(tmp_path, 5, enable_checkpointing=False, callbacks=[gating])
     trainer.fit(module, DataLoader(batches(8), batch_size=None))
     path = tmp_path / "pruned.ckpt"
     trainer.save_checkpoint(path)
@@ -262,7 +250,7 @@ def test_resume_from_a_checkpoint_taken_after_pruning(tmp_path):
 
     resumed_gating = HeadGating(**options)
     fresh = Classifier(tiny_model("bert", head="classification", seed=7), decay=0.9)
-    resumed = resume_trainer(tmp_path, 7, [Check(), resumed_gating])
+    resumed = make_trainer(tmp_path, 7, enable_checkpointing=False, callbacks=[Check(), resumed_gating])
     resumed.fit(fresh, DataLoader(batches(8), batch_size=None), ckpt_path=path)
     assert resumed.global_step == 7 and resumed_gating.pruned
     assert pruning.pruned_heads(fresh.model) == pruning.pruned_heads(module.model)
@@ -295,7 +283,7 @@ def test_resume_from_a_checkpoint_taken_while_gating(tmp_path):
 
     resumed_gating = HeadGating(**options)
     fresh = Classifier(tiny_model("bert", head="classification", seed=3))
-    resumed = resume_trainer(tmp_path, 4, [Check(), resumed_gating])
+    resumed = make_trainer(tmp_path, 4, enable_checkpointing=False, callbacks=[Check(), resumed_gating])
     resumed.fit(fresh, DataLoader(batches(8), batch_size=None), ckpt_path=path)
     assert resumed.global_step == 4 and resumed_gating.pruned
     assert sum(map(len, resumed_gating.removed.values())) == 4
@@ -304,7 +292,8 @@ def test_resume_from_a_checkpoint_taken_while_gating(tmp_path):
 
 def test_removal_after_epochs_and_a_weight_schedule_of_progress(tmp_path):
     gating = HeadGating(gates=L1Gates(weight=Warmup(0.5, Constant(0.5))), removal=Removal(keep=6, after_epochs=1))
-    trainer = resume_trainer(tmp_path, 6, [gating])  # 3 batches an epoch: two epochs, 6 estimated steps
+    # 3 batches an epoch: two epochs, 6 estimated steps
+    trainer = make_trainer(tmp_path, 6, enable_checkpointing=False, callbacks=[gating])
     trainer.fit(Classifier(tiny_model("bert", head="classification")), DataLoader(batches(3), batch_size=None))
     assert gating.pruned and gating.pruned_at_step == 3 and trainer.global_step == 6
     # the last logged penalty (step 2, progress 1/3): 0.5 ramped over half of training to 1/3, times the
@@ -426,7 +415,7 @@ def test_resume_between_milestones(tmp_path):
     assert checkpoint[pruning.PRUNED_HEADS] == {str(k): v for k, v in gating.rounds[0].chosen.items()}
     resumed_gating = HeadGating(**options)
     fresh = Classifier(tiny_model("bert", head="classification", seed=3))
-    resumed = resume_trainer(tmp_path, 8, [resumed_gating])
+    resumed = make_trainer(tmp_path, 8, enable_checkpointing=False, callbacks=[resumed_gating])
     resumed.fit(fresh, DataLoader(batches(8), batch_size=None), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
     assert [r.step for r in resumed_gating.rounds] == [6] and resumed_gating.pruned
     assert sum(map(len, resumed_gating.removed.values())) == 4
@@ -510,3 +499,15 @@ def test_protect_is_checked_against_the_model_and_the_head_count():
         fit(Classifier(model), batches(1), [HeadGating(removal=Removal(keep=2, protect={1: [7]}))])
     with pytest.raises(ValueError, match="protect names layer 0, not a gated layer"):
         fit(Classifier(model), batches(1), [HeadGating(layers=[1], removal=Removal(keep=2, protect={0: [1]}))])
+
+
+def test_choose_keeps_a_protected_head_even_with_the_smallest_gate():
+    from attnreg.methods import HeadGating as GatingMethod
+
+    gating = GatingMethod(L1Gates(), Removal(keep=2, protect={0: [1]}))
+    gating.bind(tiny_model("bert", head="classification"), taken=set())
+    with torch.no_grad():
+        gating.hub.gate(0).copy_(torch.tensor([0.9, 0.0, 0.2, 0.1]))  # the protected head scores lowest
+        gating.hub.gate(1).copy_(torch.tensor([0.3, 0.8, 0.4, 0.5]))
+    # kept: L0H1 (protected) and L0H0 (the best gate); without protect, L0H0 and L1H1
+    assert gating.choose(keep=2) == {0: [2, 3], 1: [0, 1, 2, 3]}
