@@ -313,7 +313,8 @@ class _BlockEntropy(torch.autograd.Function):
     `H_i = log sum_j exp(s_ij) - E_i`, with the log-sum-exp read off the softmax as `top_i - log max_j p_ij`;
     backward: `dH/ds_ij = -p_ij (s_ij - E_i)`. Both go through the fused softmax kernel: an `exp` of its
     own is several times slower on CPU, where masked scores take its slow path. A row whose keys are
-    all masked reads `log S` (uniform over the layer's S keys) and gets no gradient."""
+    all masked reads `log S` (uniform over the layer's S keys) and gets no gradient; a NaN or inf among a
+    row's scores gives NaN, as on the materialized path."""
 
     @staticmethod
     def forward(ctx, query, key, mask, causal_rows, keys, scaling):
@@ -323,7 +324,7 @@ class _BlockEntropy(torch.autograd.Function):
         with torch.autocast(scores.device.type, enabled=False):  # in float32: bf16 reads the minimum as -inf
             mean_score = torch.linalg.vecdot(p, scores).unsqueeze(-1)  # masked keys: 0 * minimum = 0
         entropy = top - p.amax(-1, keepdim=True).log_() - mean_score
-        alive = top > _MIN
+        alive = top != _MIN  # all keys masked; a NaN or inf score keeps its row alive, so the loss reads NaN
         entropy = torch.where(alive, entropy, math.log(keys))
         mean_score = torch.where(alive, mean_score, 0.0)  # all keys masked: s - 0 stays finite (no inf - inf)
         ctx.save_for_backward(query, key, mask, mean_score, alive)
@@ -347,7 +348,7 @@ class _BlockParentNLL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, mask, causal_rows, keys, scaling, parents):
         scores = _scores(query, key, mask, causal_rows, scaling)
-        alive = scores.amax(-1, keepdim=True) > _MIN
+        alive = scores.amax(-1, keepdim=True) != _MIN  # as in _BlockEntropy: NaN is not hidden
         p = torch.softmax(scores, dim=-1)
         seen = p.shape[-1]
         index = parents.clamp(0, seen - 1)[:, None, :, None].expand(-1, p.shape[1], -1, 1)

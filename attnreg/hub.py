@@ -705,6 +705,31 @@ def _save_pretrained_folded(model: nn.Module, *args, **kwargs):
     return type(model).save_pretrained(model, *args, **kwargs)
 
 
+@contextmanager
+def unfolded_saves(model: nn.Module) -> Iterator[None]:
+    """Within the block `model.save_pretrained` saves the weights as they are, with the hub's gates and
+    temperatures unfolded (a training checkpoint, to resume from exactly; `attnreg.pruning.load_pruned`
+    reads it back), instead of folding them into a copy. A no-op for a model that is not attached.
+
+    Example:
+        >>> import tempfile
+        >>> from safetensors.torch import load_file
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert"); _ = attach(model).gate(1)
+        >>> folder = tempfile.mkdtemp()
+        >>> with unfolded_saves(model):
+        ...     model.save_pretrained(folder)
+        >>> [key for key in load_file(f"{folder}/model.safetensors") if GATE in key]
+        ['encoder.layer.1.attention.self.attnreg_gate']
+    """
+    folding = model.__dict__.pop(_SAVE_ATTR, None)
+    try:
+        yield
+    finally:
+        if folding is not None:
+            object.__setattr__(model, _SAVE_ATTR, folding)
+
+
 def _remove_hooks(hooks: dict, is_ours, flags: dict | None = None) -> None:
     """Remove hooks by identity (handles would point at the original model after a deepcopy)."""
     for key in [key for key, hook in hooks.items() if is_ours(hook)]:

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -103,7 +104,8 @@ class HeadGating(TermCallback):
         method = self.method
         keep = method.removal.keep if keep is None else keep
         positions = trainer.strategy.broadcast(method.choose(keep), src=0)
-        report = method.prune(list(trainer.optimizers), trainer.global_step, keep, final, positions)
+        rescue = Path(trainer.default_root_dir, "attnreg-unpruned") if trainer.is_global_zero else None
+        report = method.prune(list(trainer.optimizers), trainer.global_step, keep, final, positions, rescue)
         if final:
             require_mixin(pl_module, self).remove_attnreg_term(method.name)
         return report

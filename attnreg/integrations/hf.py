@@ -59,7 +59,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from attnreg.hub import attach
+from attnreg.hub import attach, is_attached, unfolded_saves
 from attnreg.methods import (
     DropoutSchedule,
     FreezeLayers,
@@ -71,8 +71,10 @@ from attnreg.methods import (
     Monitor,
     PriorKL,
 )
+from attnreg.pruning import restore_saved_pruning, write_spec
 
 STATE_FILE = "attnreg_state.json"
+RESCUE_FOLDER = "attnreg-unpruned"  # where a model whose head removal failed is saved, gated
 _KEPT_COLUMNS = ("sentence", "label", "labels")  # what SyntaxCollator reads from dataset items
 
 
@@ -141,12 +143,26 @@ class AttnRegTrainer(Trainer):
             hub.capture(_capture_layers(terms, True), require_grad, inputs=True) as layer_inputs,
         ):
             loss, outputs = super().compute_loss(model, model_inputs, True, num_items_in_batch)
+        share = self._accumulation_share(num_items_in_batch)
         for method in terms:
             record = layer_inputs if getattr(method, "inputs", False) else probs
             value, figures = method.term(record, inputs, self.state.global_step)
-            loss = loss + value
+            loss = loss + value * share
             self._record({method.name: value.detach(), **figures})
         return (loss, outputs) if return_outputs else loss
+
+    def _accumulation_share(self, num_items_in_batch: torch.Tensor | int | None) -> float:
+        """What a micro-batch's terms are multiplied by so that their weight means the same whatever the
+        gradient accumulation: 1 where the Trainer divides the loss by the accumulation steps itself, else
+        1 / steps (a model that takes `num_items_in_batch` normalizes its own loss over the accumulated batch,
+        and the Trainer then leaves the whole loss, terms included, undivided)."""
+        scaled = self.loss_is_scaled_for_ga  # as Trainer.training_step decides whether to divide
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None
+            )
+        steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        return 1.0 / steps if scaled else 1.0
 
     def _record(self, figures: dict[str, torch.Tensor | float]) -> None:
         for name, value in figures.items():
@@ -186,6 +202,7 @@ class AttnRegTrainer(Trainer):
                 folder = get_last_checkpoint(self.args.output_dir)
             if folder is not None:
                 self._load_method_state(folder)
+                restore_saved_pruning(self.model, folder)  # heads removed before the checkpoint: its shapes
         self._bind_methods()
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -193,6 +210,20 @@ class AttnRegTrainer(Trainer):
             for method in self.attnreg_methods:
                 if isinstance(method, DropoutSchedule | FreezeLayers):
                     method.unbind()  # the model's own dropout rates and requires_grad come back
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's `save_model`; a checkpoint keeps the weights as training has them (gates and
+        temperatures unfolded, so a resume continues exactly) and the pruning spec, so that `train(
+        resume_from_checkpoint=...)` and `attnreg.pruning.load_pruned` read it. A model saved by the user
+        (`trainer.save_model()`) has its gates folded and loads with `from_pretrained` where no head was removed."""
+        model = self.accelerator.unwrap_model(self.model)
+        checkpoint = output_dir is not None and Path(output_dir).name.startswith(f"{PREFIX_CHECKPOINT_DIR}-")
+        if not (_internal_call and checkpoint and is_attached(model)):
+            return super().save_model(output_dir, _internal_call)
+        with unfolded_saves(model):
+            super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            write_spec(model, output_dir)
 
     def _load_method_state(self, folder: str | os.PathLike) -> None:
         path = Path(folder, STATE_FILE)
@@ -270,7 +301,8 @@ class _MethodSteps(TrainerCallback):
             raise NotImplementedError("HeadGating: pruning during training under several processes is not supported")
         optimizer = self.trainer.optimizer
         optimizers = [getattr(optimizer, "optimizer", optimizer)]  # the torch optimizer inside accelerate's wrapper
-        gating.prune(optimizers, step, keep=due[0], final=due[1])
+        rescue = Path(self.trainer.args.output_dir, RESCUE_FOLDER) if self.trainer.args.should_save else None
+        gating.prune(optimizers, step, keep=due[0], final=due[1], rescue=rescue)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:

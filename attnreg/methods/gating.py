@@ -43,10 +43,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from attnreg import pruning
 from attnreg.hub import AttentionRecord
@@ -318,6 +320,7 @@ class HeadGating(Method):
                 )
         if self.pruned:
             return
+        _check_removable(model, hub, self.gated_layers)
         for layer in self.gated_layers:
             if isinstance(self.gates, L1Gates):
                 hub.gate(layer)
@@ -469,15 +472,32 @@ class HeadGating(Method):
         keep: int | None = None,
         final: bool = True,
         positions: dict[int, list[int]] | None = None,
+        rescue: str | Path | None = None,
     ) -> pruning.PruneReport:
         """Remove the chosen heads (`positions`, else `choose(keep)`) with the optimizers' state sliced;
-        with `final`, fold every gate first and stop the penalty."""
+        with `final`, fold every gate after and stop the penalty.
+
+        The removal is checked whole before anything changes (`attnreg.pruning.prune_heads`); if it fails
+        all the same, the model is left as training left it (gated, nothing folded) and, given `rescue` (a
+        folder), saved there with `attnreg.pruning.save_pruned` before the error is raised, naming it.
+        """
         model = self.require_bound()
         positions = self.choose(keep) if positions is None else positions
         chosen = {layer: heads for layer, heads in pruning.to_original_numbers(model, positions).items() if heads}
+        try:
+            self.report = pruning.prune_heads(model, chosen, optimizers)  # silences what the grouped-query rule keeps
+        except Exception as error:
+            saved = (
+                ""
+                if rescue is None
+                else f"; the trained model, gated, was saved to {pruning.save_pruned(model, rescue)}"
+            )
+            raise RuntimeError(
+                f"HeadGating: removing heads {chosen} at step {step} failed ({type(error).__name__}: {error}); "
+                f"nothing was folded or removed{saved}"
+            ) from error
         if final:
             pruning.fold_gates(model, optimizers)
-        self.report = pruning.prune_heads(model, chosen, optimizers)  # silences those the grouped-query rule keeps
         for layer, heads in chosen.items():
             self.removed[layer] = sorted({*self.removed.get(layer, ()), *heads})
         self.gated_layers = tuple(layer for layer in self.gated_layers if self.hub.layers[layer].num_heads > 0)
@@ -528,6 +548,27 @@ def _load_adam_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) ->
         key: torch.tensor(value, dtype=torch.float32 if key == "step" else parameter.dtype)
         for key, value in state.items()
     }
+
+
+def _check_removable(model: nn.Module, hub: Any, layers: Sequence[int]) -> None:
+    """Refuse, when the method binds, gated layers whose projections head removal cannot slice (it slices
+    `nn.Linear` and GPT-2's `Conv1D`), rather than fail after training."""
+    family = hub.family
+    names = [
+        f"{family.attention}.{name}" for name in (family.query, family.key, family.value, family.fused_qkv) if name
+    ]
+    for layer in layers:
+        block = family.blocks(model)[layer]
+        for name in [*names, family.out_proj]:
+            module = block.get_submodule(name)
+            if type(module) not in (nn.Linear, Conv1D):
+                raise TypeError(
+                    f"HeadGating: heads of layer {layer} could not be removed after training: "
+                    f"{family.module_path(model, layer, name)} is a {type(module).__name__}, and head removal "
+                    "slices nn.Linear and Conv1D projections only "
+                    f"({type(model).__name__}). Gate the heads of a model without wrapped projections (merge a "
+                    "PEFT adapter first), or score heads with HeadImportance."
+                )
 
 
 def _changing(progress: float) -> float:

@@ -46,7 +46,7 @@ from attnreg.pruning.record import (
     silenced_heads,
     to_original_numbers,
 )
-from attnreg.pruning.saving import SPEC_FILE, load_pruned, save_pruned
+from attnreg.pruning.saving import SPEC_FILE, load_pruned, restore_saved_pruning, save_pruned, write_spec
 from attnreg.pruning.surgery import SILENCE, count_parameters, prune_heads, silence_heads
 
 __all__ = [
@@ -75,10 +75,12 @@ __all__ = [
     "prune_heads",
     "pruned_heads",
     "restore_pruning",
+    "restore_saved_pruning",
     "save_pruned",
     "select_heads",
     "silence_heads",
     "silenced_heads",
     "slice_optimizer_state",
     "to_original_numbers",
+    "write_spec",
 ]

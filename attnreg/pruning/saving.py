@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
 from attnreg.families import Family, detect_family
 from attnreg.hub import GATE, TEMPERATURE, attach
-from attnreg.pruning.gates import _hub_or_none
-from attnreg.pruning.record import PRUNED_HEADS, SILENCED_HEADS, pruned_heads, silenced_heads
+from attnreg.pruning.checkpoints import FOLDED_GATES, restore_pruning
+from attnreg.pruning.gates import _hub_or_none, make_hard_concrete
+from attnreg.pruning.record import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
 from attnreg.pruning.surgery import prune_heads, silence_heads
 
 SPEC_FILE = "attnreg_pruning.json"
+_SAVE_PARAMETERS = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
 _SPEC_FORMAT = 1
 
 
@@ -28,7 +32,8 @@ def save_pruned(
     """Save a (pruned) model: safetensors weights and config via `save_pretrained`, plus `attnreg_pruning.json`,
     and `tokenizer` beside them when given (tools such as `attnreg-analyze` need it).
 
-    Hub gates and temperatures are saved too; hard-concrete gates must be folded first (`fold_gates`).
+    Hub gates and temperatures are saved unfolded, as training has them (a training checkpoint resumes from
+    them exactly); a hard-concrete gate's settings go in the spec, and `load_pruned` rebuilds it.
 
     Example:
         >>> import tempfile
@@ -41,16 +46,36 @@ def save_pruned(
         >>> sorted(path.name for path in folder.iterdir())
         ['attnreg_pruning.json', 'config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
     """
-    family = detect_family(model)
-    hub = _hub_or_none(model)
-    if hub is not None and any(isinstance(gate, nn.Module) for gate in hub.gates.values()):
-        raise ValueError(
-            "save_pruned: the model has gate modules (hard-concrete); fold them first with fold_gates(model)"
-        )
     directory = Path(directory)
-    type(model).save_pretrained(model, directory)  # not an attached model's own, which folds gates: these load back
+    # Not an attached model's own save_pretrained, which folds gates: these load back. The weights are written
+    # as the model holds them: the original format of some families (mixture-of-experts) is converted back only
+    # by from_pretrained, which a pruned model cannot use.
+    options = {"save_original_format": False} if "save_original_format" in _SAVE_PARAMETERS else {}
+    type(model).save_pretrained(model, directory, **options)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    write_spec(model, directory)
+    return directory
+
+
+def write_spec(model: transformers.PreTrainedModel, directory: str | Path) -> Path:
+    """Write `attnreg_pruning.json` for the weights saved in `directory` (what `save_pruned` adds to
+    `save_pretrained`): the pruned and silenced heads, the heads per layer, and each hard-concrete gate's
+    settings. The Hugging Face adapter writes it into every checkpoint.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.pruning import make_hard_concrete
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> _ = make_hard_concrete(attach(model), 1, temperature=0.5)
+        >>> spec = json.loads(write_spec(model, tempfile.mkdtemp()).read_text())
+        >>> spec["heads"], spec["hard_concrete"]
+        ([[4, 4], [4, 4]], {'1': {'temperature': 0.5, 'stretch': [-0.1, 1.1]}})
+    """
+    family = detect_family(model)
+    hub = _hub_or_none(model)
+    modules = {} if hub is None else {layer: g for layer, g in hub.gates.items() if isinstance(g, nn.Module)}
     spec = {
         "format": _SPEC_FORMAT,
         "class": type(model).__name__,
@@ -60,9 +85,14 @@ def save_pruned(
         "heads": [
             list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))
         ],
+        "hard_concrete": {
+            str(layer): {"temperature": gate.temperature, "stretch": list(gate.stretch)}
+            for layer, gate in modules.items()
+        },
     }
-    (directory / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
-    return directory
+    path = Path(directory) / SPEC_FILE
+    path.write_text(json.dumps(spec, indent=2) + "\n")
+    return path
 
 
 def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
@@ -113,23 +143,65 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
             f"{spec_path}: re-applying the spec gives heads {layout} per layer, the spec says {spec['heads']}"
         )
     weights = _read_weights(directory)
-    if any(key.endswith((f".{GATE}", f".{TEMPERATURE}")) for key in weights):
-        attach(model)
+    if any(key.endswith((f".{GATE}", f".{TEMPERATURE}")) for key in weights) or spec.get("hard_concrete"):
+        hub = attach(model)
+        for layer, settings in spec.get("hard_concrete", {}).items():
+            make_hard_concrete(hub, int(layer), temperature=settings["temperature"], stretch=settings["stretch"])
     _load_checked(model, family, weights, directory)
     return model.eval()
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def restore_saved_pruning(model: nn.Module, directory: str | Path) -> PruneReport | None:
+    """Re-apply to `model` (built as the run began) the pruning of a folder `save_pruned` or the Hugging Face
+    adapter's checkpoints wrote, so that its weights load: removed and silenced heads, and the gates folded
+    at the removal taken off. A no-op for a folder without `attnreg_pruning.json`.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.tiny import tiny_model
+        >>> pruned = tiny_model("bert"); _ = prune_heads(pruned, {0: [1, 2]})
+        >>> folder = save_pruned(pruned, tempfile.mkdtemp())
+        >>> restore_saved_pruning(tiny_model("bert"), folder).heads        # the saved weights fit now
+        {0: (2, 2), 1: (4, 4)}
+    """
+    directory = Path(directory)
+    if not (directory / SPEC_FILE).is_file():
+        return None
+    spec = json.loads((directory / SPEC_FILE).read_text())
+    hub = _hub_or_none(model)
+    record = {
+        PRUNED_HEADS: spec["pruned_heads"],
+        SILENCED_HEADS: spec.get("silenced_heads", {}),
+        FOLDED_GATES: [] if hub is None else list(hub.gates),  # those absent from the weights go
+        "state_dict": dict.fromkeys(_weight_names(directory)),
+    }
+    return restore_pruning(model, record)
+
+
+def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         files = ["model.safetensors"]
-    weights = {}
-    for name in files:
-        path = directory / name
+    paths = [directory / name for name in files]
+    for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing (save_pruned writes safetensors weights)")
+    return paths
+
+
+def _weight_names(directory: Path) -> list[str]:
+    names = []
+    for path in _weight_files(directory):
+        with safe_open(path, framework="pt") as weights:
+            names += list(weights.keys())
+    return names
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for path in _weight_files(directory):
         weights.update(load_file(path))
     return weights
 
