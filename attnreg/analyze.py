@@ -380,20 +380,38 @@ def _summary(
     if syntax is not None:
         summary = syntax.summary()
         forward, reverse = summary["dependent_to_head"], summary["head_to_dependent"]
+        best = f"best fixed offset {summary['best_offset']['offset']:+d} with {summary['best_offset']['accuracy']}%."
+        if syntax.causal:
+            text = (
+                "A causal model: a word attends only to words at or before it, so a dependent can find its head "
+                f"only to its left ({forward['words']} of {syntax.words} words, {forward['share']}%) and a head its "
+                f"dependent only to its left ({reverse['words']} words, {reverse['share']}%); each accuracy is over "
+                f"those words. Best single head, dependent to head: {forward['head']} with {forward['accuracy']}%; "
+                f"head to dependent: {reverse['head']} with {reverse['accuracy']}%. Left-branching baseline "
+                f"{summary['left_branching']}%, {best.replace('fixed offset', 'left offset')}"
+            )
+        else:
+            text = (
+                f"Best single head, dependent to head: {forward['head']} with {forward['accuracy']}% parent accuracy "
+                f"over {syntax.words} words; head to dependent: {reverse['head']} with {reverse['accuracy']}%. "
+                f"Right-branching baseline {summary['right_branching']}%, left-branching {summary['left_branching']}%, "
+                f"{best}"
+            )
+        reachable = " (reachable: dependent → head, head → dependent)" if syntax.causal else ""
         lines += [
             "## Syntax (word-level, Clark et al. 2019)",
             "",
-            f"Best single head, dependent to head: {forward['head']} with {forward['accuracy']}% parent accuracy "
-            f"over {syntax.words} words; head to dependent: {reverse['head']} with {reverse['accuracy']}%. "
-            f"Right-branching baseline {summary['right_branching']}%, left-branching {summary['left_branching']}%, "
-            f"best fixed offset {summary['best_offset']['offset']:+d} with {summary['best_offset']['accuracy']}%.",
+            text,
             "",
-            "| relation | words | dependent → head | head → dependent | best offset baseline |",
+            f"| relation | words{reachable} | dependent → head | head → dependent | best offset baseline |",
             "|---|---:|---|---|---|",
         ]
         for row in relations:
+            words = f"{row['words']}"
+            if syntax.causal:
+                words += f" ({row['dependent_to_head_words']}, {row['head_to_dependent_words']})"
             lines.append(
-                f"| {row['relation']} | {row['words']} | {row['dependent_to_head_head']}: "
+                f"| {row['relation']} | {words} | {row['dependent_to_head_head']}: "
                 f"{row['dependent_to_head_accuracy']} | {row['head_to_dependent_head']}: "
                 f"{row['head_to_dependent_accuracy']} | {row['baseline_accuracy']} ({row['baseline_offset']:+d}) |"
             )

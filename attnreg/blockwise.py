@@ -146,7 +146,8 @@ def attention_entropy(
 ) -> torch.Tensor:
     """`attnreg.losses.attention_entropy` of the layer `inputs` describe (`hub.capture(..., inputs=True)`),
     for `heads` (None = all): the mean entropy per head `[len(heads)]`; `attention_mask` is the batch's 2D
-    padding mask `[B, S]`.
+    padding mask `[B, S]`, which picks the real query rows. `normalize` divides by the log of the keys the
+    layer's own mask (`inputs.attention_mask`) admits, sliding windows included.
 
     Example:
         >>> import attnreg
@@ -171,7 +172,10 @@ def attention_entropy(
         causal=inputs.causal,
         block_size=block_size,
     )
-    return mean_row_entropy(entropy, attention_mask, inputs.key.shape[2], causal, normalize)
+    layer_mask = inputs.attention_mask
+    if layer_mask is not None and layer_mask.dim() == 4 and layer_mask.shape[1] > 1 and heads is not None:
+        layer_mask = layer_mask[:, list(heads)]  # a mask per head: the chosen heads'
+    return mean_row_entropy(entropy, attention_mask, inputs.key.shape[2], causal, normalize, layer_mask)
 
 
 def prior_kl(

@@ -2,7 +2,8 @@
 
 Each job's overrides (from its `.hydra/overrides.yaml`) name its row; the overrides that differ between
 jobs become columns, and jobs that differ only in `seed` are grouped: every metric as mean ± std over
-seeds. Writes `collected.md` and `collected.json` into the sweep folder and prints the markdown.
+seeds. Writes `collected.md` and `collected.json` into the sweep folder, prints the markdown, and says on
+stderr which of the metrics it looked for it found (and the numbers the summaries do hold when it found none).
 
 Example:
     $ attnreg-train -m attnreg.syntax_kl.weight=0,1 seed=0,1,2
@@ -16,6 +17,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,20 +103,21 @@ def collect(
 ) -> dict[str, Any]:
     """Group `runs` by their varying overrides except `over`, and summarize each metric per group.
 
-    Returns `{"keys": [...], "metrics": [...], "groups": [{"overrides", "runs", "<metric>": {"mean",
-    "std", "values"}}]}`; metrics that no run has are left out.
+    Returns `{"keys": [...], "metrics": [...], "missing": [...], "groups": [{"overrides", "runs", "<metric>":
+    {"mean", "std", "values"}}]}`; metrics that no run has are left out of `metrics` and listed in `missing`.
 
     Example:
         >>> rows = [("0", "0", 0.5), ("0", "1", 0.7), ("1", "0", 0.9)]            # weight, seed, val accuracy
         >>> runs = [{"overrides": {"weight": w, "seed": s}, "summary": {"accuracy": {"val": v}}} for w, s, v in rows]
         >>> table = collect(runs, metrics=["accuracy.val", "accuracy.test"])
-        >>> table["keys"], table["metrics"]                                 # no run has accuracy.test
-        (['weight'], ['accuracy.val'])
+        >>> table["keys"], table["metrics"], table["missing"]               # no run has accuracy.test
+        (['weight'], ['accuracy.val'], ['accuracy.test'])
         >>> table["groups"][0]
         {'overrides': {'weight': '0'}, 'runs': 2, 'accuracy.val': {'mean': 0.6, 'std': 0.141, 'values': [0.5, 0.7]}}
     """
     keys = [key for key in varying_keys(runs) if key != over]
-    metrics = [m for m in metrics if any(value_at(run["summary"], m) is not None for run in runs)]
+    wanted = list(metrics)
+    metrics = [m for m in wanted if any(value_at(run["summary"], m) is not None for run in runs)]
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for run in runs:
         groups.setdefault(tuple(run["overrides"].get(key) for key in keys), []).append(run)
@@ -129,7 +132,51 @@ def collect(
                 "values": numbers,
             }
         rows.append(row)
-    return {"keys": keys, "metrics": metrics, "groups": rows}
+    return {"keys": keys, "metrics": metrics, "missing": [m for m in wanted if m not in metrics], "groups": rows}
+
+
+def numeric_paths(summaries: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The dotted paths of every number in `summaries`, in first-seen order: what `--metrics` can name.
+
+    Example:
+        >>> numeric_paths([{"accuracy": {"val": 0.9}, "seed": 0, "name": "a"}, {"metrics": {"val/mcc": 0.1}}])
+        ['accuracy.val', 'seed', 'metrics.val/mcc']
+    """
+    found: dict[str, None] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            found[prefix[:-1]] = None
+
+    for summary in summaries:
+        walk(summary, "")
+    return list(found)
+
+
+def report(table: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> str:
+    """What the collector looked for and found, for the user (an empty table must not pass unnoticed).
+
+    Example:
+        >>> runs = [{"overrides": {"seed": "0"}, "summary": {"metrics": {"val/mcc": 0.1}, "steps": 10}}]
+        >>> print(report(collect(runs, metrics=["accuracy.val"]), runs))
+        attnreg-collect: 1 run; none of the metrics looked for (accuracy.val) is in any summary.json.
+        The summaries hold: metrics.val/mcc, steps; name them with --metrics.
+        >>> print(report(collect(runs, metrics=["steps", "accuracy.val"]), runs))
+        attnreg-collect: 1 run; metrics found: steps; in no summary.json: accuracy.val
+    """
+    looked_for = [*table["metrics"], *table["missing"]]
+    counted = f"attnreg-collect: {len(runs)} run{'' if len(runs) == 1 else 's'}"
+    if not table["metrics"]:
+        held = ", ".join(numeric_paths(run["summary"] for run in runs)) or "no numbers"
+        return (
+            f"{counted}; none of the metrics looked for ({', '.join(looked_for) or 'none'}) is in any summary.json.\n"
+            f"The summaries hold: {held}; name them with --metrics."
+        )
+    text = f"{counted}; metrics found: {', '.join(table['metrics'])}"
+    return text + (f"; in no summary.json: {', '.join(table['missing'])}" if table["missing"] else "")
 
 
 def markdown(table: Mapping[str, Any]) -> str:
@@ -189,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     (sweep_dir / "collected.md").write_text(text)
     (sweep_dir / "collected.json").write_text(json.dumps({**table, "runs": runs}, indent=2) + "\n")
     print(text, end="")
+    print(report(table, runs), file=sys.stderr)  # stdout stays the markdown alone
 
 
 if __name__ == "__main__":

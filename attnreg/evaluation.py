@@ -82,7 +82,9 @@ def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int =
                 model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"})
                 mask = batch["attention_mask"].to(model.device)
                 for layer in range(hub.num_layers):
-                    entropy = attention_entropy(probs[layer], mask, causal=hub.family.causal, normalize=True)
+                    entropy = attention_entropy(
+                        probs[layer], mask, hub.family.causal, True, layer_mask=probs.attention_mask(layer)
+                    )
                     totals[layer] += float(entropy.mean())
                 batches += 1
                 if batches == max_batches:
@@ -125,7 +127,8 @@ def head_report(
     max_length: int | None,
 ) -> dict[str, Any]:
     """Word-level parent accuracy of the `supervised` heads ({layer: heads}, None = all) and of the best
-    head, with the right-branching baseline, on `sentences` (gold trees).
+    head, with the right-branching baseline (for a decoder: the left-branching one and the share of words
+    whose parent is to their left, over which its accuracy is), on `sentences` (gold trees).
 
     Example:
         >>> from attnreg.datamodules import AgreementDataModule
@@ -145,15 +148,20 @@ def head_report(
     }
     present = [value for value in chosen.values() if value is not None]  # removed heads read None
     layer, head, best = result.best_head()
-    return {
+    report = {
         "sentences": len(sentences),
         "supervised": chosen,
         "supervised_mean": round(sum(present) / len(present), 4) if present else None,
         "best_head": f"L{layer}H{head}",
         "best": _number(best),
-        "right_branching": round(result.baseline(1), 4),
         "per_head": [[_number(value) for value in row] for row in table],
     }
+    if result.causal:  # a decoder: accuracy is over parents to the left, the baseline a left offset
+        report["reachable_share"] = round(result.reachable_share(), 4)
+        report["left_branching"] = round(result.baseline(-1), 4)
+    else:
+        report["right_branching"] = round(result.baseline(1), 4)
+    return report
 
 
 def _number(value: Any) -> float | None:

@@ -8,8 +8,10 @@ Example:
     >>> family = detect_family(model)
     >>> family.name, len(family.blocks(model))
     ('bert', 2)
-    >>> [family.name for family in FAMILIES]
-    ['bert', 'roberta', 'electra', 'distilbert', 'gpt2', 'llama', 'qwen2', 'mistral']
+    >>> [family.name for family in FAMILIES]  # doctest: +NORMALIZE_WHITESPACE
+    ['bert', 'roberta', 'xlm-roberta', 'electra', 'distilbert', 'modernbert', 'gpt2', 'llama', 'qwen2', 'mistral',
+     'mixtral', 'granite', 'phi3', 'qwen3', 'qwen3_moe', 'smollm3', 'cohere2', 'cohere', 'stablelm', 'olmo2', 'olmo3',
+     'phi', 'gptj', 'gpt_neox', 'gemma3_text', 'gemma3']
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ class Family:
     A fused projection (GPT-2's `c_attn`) is named in `fused_qkv` instead. `head_count_attrs` and
     `width_attrs` name the attention module's attributes holding its query-head count and its
     heads x head_dim width, which physical head pruning keeps in step with the weights.
+
+    `query_norm` names a norm applied to each head's query after the projection, with one weight of size
+    `head_dim` shared by all heads (Qwen3, Gemma 3): it undoes any scale of the query projection, so a
+    temperature is folded into its weight instead (`weight -> (offset + weight) / T - offset`, with
+    `query_norm_offset` 1 for Gemma's `1 + weight` norms), which only a temperature equal on all heads
+    of a layer can be (`norm_layout="shared"`). Shared by the heads, it needs no slicing when heads are
+    removed. With `norm_layout="per_head"` the query norm (and `key_norm`, the key norm) has its own weights
+    for each head: a weight `[H, head_dim]` (Cohere) or one norm module per head in `norms` (StableLM); head
+    removal slices them along, and any temperature folds head by head. With `"whole"` it normalises all
+    heads together (OLMo-2: a weight `[H * head_dim]`): a temperature folds into each head's slice of the
+    weight, but removing a head would change the others' normalisation, so `prune_heads` silences
+    requested heads in place instead (and says so).
+
+    A fused projection holds all query rows, then all key rows, then all value rows (`fused_layout="blocks"`),
+    or the query, key and value rows of head 0, then those of head 1, ... (`"per_head"`, GPT-NeoX). With grouped-query
+    attention (Phi-3) `group_size_attr` names the module's query heads per key/value head, which tells the
+    counts apart; `kv_head_count_attrs` name its key/value head counts, and `config_head_count_attrs` the
+    attributes of the module's `config` its forward reads as head counts: a pruned layer gets a view of the
+    model's config with its own counts there.
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -56,6 +77,26 @@ class Family:
     fused_qkv: str | None = None
     head_count_attrs: tuple[str, ...] = ()
     width_attrs: tuple[str, ...] = ()
+    query_norm: str | None = None
+    query_norm_offset: float = 0.0
+    key_norm: str | None = None
+    norm_layout: str = "shared"
+    fused_layout: str = "blocks"
+    group_size_attr: str | None = None
+    kv_head_count_attrs: tuple[str, ...] = ()
+    config_head_count_attrs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.fused_layout not in ("blocks", "per_head"):
+            raise ValueError(
+                f"Family {self.name!r}: fused_layout must be 'blocks' or 'per_head', got {self.fused_layout!r}"
+            )
+        if self.norm_layout not in ("shared", "per_head", "whole"):
+            raise ValueError(
+                f"Family {self.name!r}: norm_layout must be 'shared', 'per_head' or 'whole', got {self.norm_layout!r}"
+            )
+        if self.fused_layout == "per_head" and self.group_size_attr is not None:
+            raise ValueError(f"Family {self.name!r}: a 'per_head' fused layout has one key/value head per query head")
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         """The list of transformer blocks of `model` (a base or a head model).
@@ -87,11 +128,57 @@ class Family:
         """(query heads, key/value heads), read from the current projection shapes."""
         head_dim = self.head_dim(attention)
         if self.fused_qkv is not None:
-            heads = out_features(_get(attention, self.fused_qkv)) // (3 * head_dim)
-            return heads, heads
+            width = out_features(_get(attention, self.fused_qkv))
+            group = 1 if self.group_size_attr is None else int(getattr(attention, self.group_size_attr))
+            kv_heads = width // ((group + 2) * head_dim)
+            return group * kv_heads, kv_heads
         query = out_features(_get(attention, self.query))
         key = out_features(_get(attention, self.key))
         return query // head_dim, key // head_dim
+
+    def fused_rows(self, query_heads: list[int], kv_heads: list[int], attention: nn.Module) -> torch.Tensor:
+        """Rows of the fused projection that hold query heads `query_heads` and key/value heads `kv_heads`
+        (current positions), in the layout's order.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> model = tiny_model("gpt2", hidden=8, heads=4)     # heads of 2: q rows 0-7, k rows 8-15, v rows 16-23
+            >>> family = detect_family(model)
+            >>> family.fused_rows([1], [1], family.attention_module(model, 0)).tolist()
+            [2, 3, 10, 11, 18, 19]
+        """
+        head_dim = self.head_dim(attention)
+        if self.fused_layout == "per_head":
+            return _rows(query_heads, 3 * head_dim)
+        num_heads, num_kv = self.head_counts(attention)
+        kv_rows = _rows(kv_heads, head_dim)
+        return torch.cat(
+            [_rows(query_heads, head_dim), num_heads * head_dim + kv_rows, (num_heads + num_kv) * head_dim + kv_rows]
+        )
+
+    def query_rows(self, attention: nn.Module) -> torch.Tensor:
+        """Output rows of the query projection (or the fused one) holding the queries, head by head.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> model = tiny_model("gpt_neox", hidden=8, heads=4)  # q, k, v rows of head 0, then of head 1, ...
+            >>> family = detect_family(model)
+            >>> family.query_rows(family.attention_module(model, 0)).tolist()[:6]
+            [0, 1, 6, 7, 12, 13]
+        """
+        num_heads, _ = self.head_counts(attention)
+        head_dim = self.head_dim(attention)
+        if self.fused_qkv is not None and self.fused_layout == "per_head":
+            return (torch.arange(num_heads)[:, None] * 3 * head_dim + torch.arange(head_dim)).reshape(-1)
+        return torch.arange(num_heads * head_dim)
+
+    def query_norm_module(self, attention: nn.Module) -> nn.Module | None:
+        """The query norm of `attention` (`query_norm`), or None where the family or this model has none."""
+        return None if self.query_norm is None else getattr(attention, self.query_norm, None)
+
+    def key_norm_module(self, attention: nn.Module) -> nn.Module | None:
+        """The key norm of `attention` (`key_norm`), or None where the family or this model has none."""
+        return None if self.key_norm is None else getattr(attention, self.key_norm, None)
 
     def attention_dropout(self, attention: nn.Module) -> float:
         """The dropout rate the model itself passes to the attention function in training."""
@@ -127,6 +214,7 @@ _LLAMA_LIKE = dict(
 FAMILIES: tuple[Family, ...] = (
     Family(name="bert", model_types=("bert",), **_BERT_LIKE),
     Family(name="roberta", model_types=("roberta",), **_BERT_LIKE),
+    Family(name="xlm-roberta", model_types=("xlm-roberta",), **_BERT_LIKE),
     Family(name="electra", model_types=("electra",), **_BERT_LIKE),
     Family(
         name="distilbert",
@@ -144,6 +232,17 @@ FAMILIES: tuple[Family, ...] = (
         width_attrs=("dim",),
     ),
     Family(
+        name="modernbert",
+        model_types=("modernbert",),
+        blocks_path="layers",
+        attention="attn",
+        out_proj="attn.Wo",
+        fused_qkv="Wqkv",
+        head_dim_attr="head_dim",
+        dropout_attr="attention_dropout",
+        causal=False,
+    ),
+    Family(
         name="gpt2",
         model_types=("gpt2",),
         blocks_path="h",
@@ -159,7 +258,100 @@ FAMILIES: tuple[Family, ...] = (
     Family(name="llama", model_types=("llama",), **_LLAMA_LIKE),
     Family(name="qwen2", model_types=("qwen2",), **_LLAMA_LIKE),
     Family(name="mistral", model_types=("mistral",), **_LLAMA_LIKE),
+    Family(name="mixtral", model_types=("mixtral",), **_LLAMA_LIKE),
+    Family(name="granite", model_types=("granite",), **_LLAMA_LIKE),
+    Family(
+        name="phi3",
+        model_types=("phi3",),
+        **{**_LLAMA_LIKE, "query": None, "key": None, "value": None},
+        fused_qkv="qkv_proj",
+        group_size_attr="num_key_value_groups",
+        kv_head_count_attrs=("num_key_value_heads",),
+        config_head_count_attrs=("num_attention_heads",),
+    ),
+    Family(name="qwen3", model_types=("qwen3",), query_norm="q_norm", **_LLAMA_LIKE),
+    Family(name="qwen3_moe", model_types=("qwen3_moe",), query_norm="q_norm", **_LLAMA_LIKE),
+    Family(name="smollm3", model_types=("smollm3",), **_LLAMA_LIKE),
+    Family(name="cohere2", model_types=("cohere2",), **_LLAMA_LIKE),
+    Family(
+        name="cohere",
+        model_types=("cohere",),
+        query_norm="q_norm",  # only with config.use_qk_norm
+        key_norm="k_norm",
+        norm_layout="per_head",
+        **_LLAMA_LIKE,
+    ),
+    Family(
+        name="stablelm",
+        model_types=("stablelm",),
+        query_norm="q_layernorm",  # only with config.qk_layernorm
+        key_norm="k_layernorm",
+        norm_layout="per_head",
+        head_count_attrs=("num_heads",),
+        kv_head_count_attrs=("num_key_value_heads",),
+        **_LLAMA_LIKE,
+    ),
+    Family(name="olmo2", model_types=("olmo2",), query_norm="q_norm", norm_layout="whole", **_LLAMA_LIKE),
+    Family(name="olmo3", model_types=("olmo3",), query_norm="q_norm", norm_layout="whole", **_LLAMA_LIKE),
+    Family(
+        name="phi",
+        model_types=("phi",),
+        **{**_LLAMA_LIKE, "out_proj": "self_attn.dense"},
+        query_norm="q_layernorm",  # only with config.qk_layernorm
+    ),
+    Family(
+        name="gptj",
+        model_types=("gptj",),
+        blocks_path="h",
+        attention="attn",
+        out_proj="attn.out_proj",
+        query="q_proj",
+        key="k_proj",
+        value="v_proj",
+        head_dim_attr="head_dim",
+        dropout_attr="attention_dropout",
+        causal=True,
+        head_count_attrs=("num_attention_heads",),
+    ),
+    Family(
+        name="gpt_neox",
+        model_types=("gpt_neox",),
+        blocks_path="layers",
+        attention="attention",
+        out_proj="attention.dense",
+        fused_qkv="query_key_value",
+        fused_layout="per_head",
+        head_dim_attr="head_size",
+        dropout_attr="attention_dropout",
+        causal=True,
+    ),
+    Family(name="gemma3_text", model_types=("gemma3_text",), query_norm="q_norm", query_norm_offset=1.0, **_LLAMA_LIKE),
+    Family(  # the text stack of the image-text model; its vision tower's attention runs on SDPA untouched
+        name="gemma3",
+        model_types=("gemma3",),
+        query_norm="q_norm",
+        query_norm_offset=1.0,
+        **{**_LLAMA_LIKE, "blocks_path": "language_model.layers"},
+    ),
 )
+
+_NO_INTERFACE = "its attention never calls transformers' attention interface (it computes attention itself)"
+REFUSED: dict[str, str] = {
+    "deberta-v2": _NO_INTERFACE + ": DeBERTa's disentangled attention adds position terms of its own",
+    "falcon": "its fused query_key_value has three layouts (interleaved per head, multi-query, and grouped per "
+    "key/value head in the new decoder architecture), which the family table cannot express yet",
+    "gemma2": "it caps attention logits with tanh (the softcap keyword), which the hub's capture, blockwise losses "
+    "and SDPA hand-off do not implement",
+    "gpt_oss": "each head has a learned sink logit in the softmax denominator (the s_aux keyword), which the hub's "
+    "capture, blockwise losses and SDPA hand-off do not implement",
+    "qwen3_5_text": "attention runs on some layers only (the others are linear attention), which the family table "
+    "cannot express",
+    "gemma3n_text": "its last layers share key/value states with earlier layers (num_kv_shared_layers), so a removed "
+    "key/value head would leave another layer; the family table cannot express it",
+    "gemma4_text": "its layers have their own head dims and share key/value states across layers, which the family "
+    "table cannot express",
+}
+"""Model types attnreg refuses, with the reason `detect_family` gives."""
 
 
 class UnsupportedModelError(TypeError):
@@ -184,6 +376,10 @@ def detect_family(model: nn.Module) -> Family:
         'distilbert'
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in REFUSED:
+        raise UnsupportedModelError(
+            f"attnreg does not support {type(model).__name__} (model_type={model_type!r}): {REFUSED[model_type]}."
+        )
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
@@ -194,6 +390,49 @@ def detect_family(model: nn.Module) -> Family:
     )
 
 
+def families_markdown() -> str:
+    """The README's and `docs/hub.md`'s tables of the supported families and the refused model types, rendered
+    from `FAMILIES` and `REFUSED` (`tests/test_families_table.py` checks that both files hold it verbatim).
+
+    Every supported family captures probabilities and runs the blockwise losses (`tests/test_families.py` checks
+    each); head removal is exact unless a q/k norm spans all heads (then the heads are silenced in place), and a
+    temperature folds per head unless one query norm weight is shared by the heads (then one value per layer).
+
+    Example:
+        >>> print(families_markdown().splitlines()[2])  # doctest: +NORMALIZE_WHITESPACE
+        | bert | `bert` | `encoder.layer.i.attention.self` | `query` / `key` / `value` | `attention.output.dense` | no
+         | yes | yes | exact | per head |
+    """
+    lines = [
+        "| family | model types | attention module | q / k / v | output | causal | capture | blockwise "
+        "| head removal | temperature fold |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        if family.fused_qkv is None:
+            projections = f"`{family.query}` / `{family.key}` / `{family.value}`"
+        else:
+            layout = "q, k, v blocks" if family.fused_layout == "blocks" else "interleaved per head"
+            projections = f"fused `{family.fused_qkv}` ({layout})"
+        norms = ", ".join(f"`{name}`" for name in (family.query_norm, family.key_norm) if name is not None)
+        if family.query_norm is None:
+            removal, fold = "exact", "per head"
+        elif family.norm_layout == "whole":
+            removal, fold = f"silenced ({norms} spans all heads)", f"per head (into {norms})"
+        elif family.norm_layout == "per_head":
+            removal, fold = f"exact (slices {norms})", f"per head (into {norms})"
+        else:
+            removal, fold = "exact", f"one value per layer ({norms} shared by the heads)"
+        types = ", ".join(f"`{model_type}`" for model_type in family.model_types)
+        lines.append(
+            f"| {family.name} | {types} | `{family.blocks_path}.i.{family.attention}` | {projections} "
+            f"| `{family.out_proj}` | {'yes' if family.causal else 'no'} | yes | yes | {removal} | {fold} |"
+        )
+    lines += ["", "| refused model type | why |", "|---|---|"]
+    lines += [f"| `{model_type}` | {reason} |" for model_type, reason in REFUSED.items()]
+    return "\n".join(lines) + "\n"
+
+
 def out_features(projection: nn.Module) -> int:
     """Output width of an nn.Linear or a GPT-2 Conv1D (whose weight is stored transposed).
 
@@ -201,13 +440,47 @@ def out_features(projection: nn.Module) -> int:
         >>> out_features(nn.Linear(3, 5)), out_features(Conv1D(5, 3))
         (5, 5)
     """
+    projection = base_layer(projection)
     if isinstance(projection, Conv1D):
         return projection.weight.shape[1]
     return projection.weight.shape[0]
 
 
+def base_layer(projection: nn.Module) -> nn.Module:
+    """The projection a PEFT adapter layer wraps (`base_layer`), or the projection itself.
+
+    Example:
+        >>> projection = nn.Linear(2, 2)
+        >>> base_layer(projection) is projection
+        True
+    """
+    return getattr(projection, "base_layer", projection)
+
+
+def lora_factors(projection: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """`(lora_A, lora_B)` of every adapter of a PEFT LoRA layer (its output adds `lora_B(lora_A(x)) * scaling`
+    to the wrapped projection's), [] for a plain projection. An adapter that is not linear in its input
+    (DoRA's magnitude vector) is refused: scaling or slicing the projection's features would not carry over.
+
+    Example:
+        >>> lora_factors(nn.Linear(2, 2))
+        []
+    """
+    first, second = getattr(projection, "lora_A", None), getattr(projection, "lora_B", None)
+    if not isinstance(first, nn.ModuleDict) or not isinstance(second, nn.ModuleDict):
+        return []
+    magnitudes = getattr(projection, "lora_magnitude_vector", None)
+    if magnitudes is not None and len(magnitudes) > 0:
+        raise NotImplementedError(
+            f"{type(projection).__name__} uses DoRA (adapters {sorted(magnitudes)}), whose output is not linear in its "
+            "weight's rows and columns: attnreg cannot fold gates into it or slice heads from it; use plain LoRA"
+        )
+    return [(first[name], second[name]) for name in first]
+
+
 def scale_input_columns(projection: nn.Module, scale: torch.Tensor) -> None:
-    """Multiply the projection's input features by `scale` (one value per input feature), in place.
+    """Multiply the projection's input features by `scale` (one value per input feature), in place; for a
+    PEFT LoRA layer, of the wrapped projection and of every adapter's `lora_A`.
 
     Example:
         >>> projection = nn.Linear(2, 1, bias=False)
@@ -217,16 +490,21 @@ def scale_input_columns(projection: nn.Module, scale: torch.Tensor) -> None:
         Parameter containing:
         tensor([[0., 3.]], requires_grad=True)
     """
+    factors = lora_factors(projection)
+    projection = base_layer(projection)
     weight = projection.weight
     with torch.no_grad():
         if isinstance(projection, Conv1D):
             weight.mul_(scale.to(weight)[:, None])
         else:
             weight.mul_(scale.to(weight)[None, :])
+        for first, _ in factors:
+            first.weight.mul_(scale.to(first.weight)[None, :])
 
 
 def scale_output_rows(projection: nn.Module, scale: torch.Tensor, start: int = 0) -> None:
-    """Multiply output features `start : start + len(scale)` (weight and bias) by `scale`, in place.
+    """Multiply output features `start : start + len(scale)` (weight and bias) by `scale`, in place; for a
+    PEFT LoRA layer, of the wrapped projection and of every adapter's `lora_B`.
 
     Example:
         >>> projection = nn.Linear(1, 3)
@@ -237,13 +515,24 @@ def scale_output_rows(projection: nn.Module, scale: torch.Tensor, start: int = 0
         tensor([1., 0., 2.], requires_grad=True)
     """
     stop = start + scale.numel()
+    factors = lora_factors(projection)
+    projection = base_layer(projection)
     with torch.no_grad():
+        for _, second in factors:
+            second.weight[start:stop].mul_(scale.to(second.weight)[:, None])
+            if second.bias is not None:
+                second.bias[start:stop].mul_(scale.to(second.bias))
         if isinstance(projection, Conv1D):
             projection.weight[:, start:stop].mul_(scale.to(projection.weight)[None, :])
         else:
             projection.weight[start:stop].mul_(scale.to(projection.weight)[:, None])
         if projection.bias is not None:
             projection.bias[start:stop].mul_(scale.to(projection.bias))
+
+
+def _rows(heads: list[int], size: int) -> torch.Tensor:
+    heads = torch.as_tensor(list(heads), dtype=torch.long)
+    return (heads[:, None] * size + torch.arange(size)).reshape(-1)
 
 
 def _base_model(model: nn.Module) -> nn.Module:

@@ -31,7 +31,15 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from attnreg.families import Family, detect_family, scale_input_columns, scale_output_rows
+from attnreg import compat
+from attnreg.families import (
+    Family,
+    UnsupportedModelError,
+    detect_family,
+    out_features,
+    scale_input_columns,
+    scale_output_rows,
+)
 
 IMPLEMENTATION = "attnreg"
 GATE = "attnreg_gate"
@@ -76,9 +84,10 @@ class _LayerState:
     dropout: float | None = None
     records: list[AttentionRecord] = field(default_factory=list)
     pending_recomputes: int = 0
+    projection: nn.Module | None = None  # the output projection that carries the hub's hooks
 
     def replaying_capture(self) -> bool:
-        return self.pending_recomputes > 0 and torch._C._current_graph_task_id() != -1
+        return self.pending_recomputes > 0 and compat.graph_task_id() != -1
 
     def will_be_replayed(self) -> bool:
         return bool(getattr(self.block, "gradient_checkpointing", False)) and self.block.training
@@ -132,17 +141,23 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
         KeyError: 'no attention recorded for layer 0; captured layers: [1], with a forward pass so far: [1]'
     """
 
-    def __init__(self, layers: tuple[int, ...], require_grad: bool = False, inputs: bool = False) -> None:
+    def __init__(
+        self, layers: tuple[int, ...], require_grad: bool = False, inputs: bool = False, skip_no_grad: bool = False
+    ) -> None:
         self.layers = layers
         self.require_grad = require_grad
         self.inputs = inputs
+        self.skip_no_grad = skip_no_grad
+        self.skipped = 0  # forwards under torch.no_grad() left out (skip_no_grad)
         self._calls: dict[int, list[torch.Tensor | LayerInputs]] = {}
+        self._masks: dict[int, list[torch.Tensor | None]] = {}
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         if layer not in self._calls:
             raise KeyError(
                 f"no attention recorded for layer {layer}; captured layers: {list(self.layers)}, "
                 f"with a forward pass so far: {sorted(self._calls)}"
+                + (f"; {self.skipped} forwards under torch.no_grad() were left out" if self.skipped else "")
             )
         return self._calls[layer][-1]
 
@@ -155,9 +170,30 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
     def calls(self, layer: int) -> list[torch.Tensor]:
         return list(self._calls.get(layer, []))
 
-    def _add(self, state: _LayerState, probs: torch.Tensor | LayerInputs) -> None:
+    def attention_mask(self, layer: int, call: int = -1) -> torch.Tensor | None:
+        """The SDPA mask `layer` received on its latest pass (`call`: the one of `calls(layer)`), None where SDPA
+        needed none: the keys each query row may see, sliding windows included, for
+        `attnreg.losses.attention_entropy(..., layer_mask=)`.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> hub = attach(tiny_model("gpt2"))
+            >>> with hub.capture(layers=[0]) as record:
+            ...     _ = hub.model(input_ids=torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[1, 1, 0]]))
+            >>> record.attention_mask(0).shape
+            torch.Size([1, 1, 3, 3])
+        """
+        captured = self[layer] if call == -1 else self._calls[layer][call]
+        return captured.attention_mask if isinstance(captured, LayerInputs) else self._masks[layer][call]
+
+    def _add(
+        self, state: _LayerState, probs: torch.Tensor | LayerInputs, attention_mask: torch.Tensor | None = None
+    ) -> None:
         if not probs.requires_grad:
             reentrant = state.will_be_replayed() and not torch.is_grad_enabled()
+            if self.skip_no_grad and not reentrant and not torch.is_grad_enabled():
+                self.skipped += 1  # a forward no loss is meant for (a trainer's extra no-grad metrics pass)
+                return
             if reentrant or self.require_grad:
                 raise RuntimeError(
                     f"attention of layer {state.index} was computed without autograd, so a loss on it would do "
@@ -170,6 +206,7 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
                     )
                 )
         self._calls.setdefault(state.index, []).append(probs)
+        self._masks.setdefault(state.index, []).append(attention_mask)
 
 
 def attention_forward(
@@ -196,9 +233,14 @@ def attention_forward(
         >>> plain, none = attention_forward(hub.attention(1), query, key, value, None)
         >>> captured.shape, weights is probs[0], none, torch.allclose(captured, plain, atol=1e-6)
         (torch.Size([1, 3, 4, 8]), True, None, True)
+        >>> attention_forward(hub.attention(1), query, key, value, None, softcap=50.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: attnreg's attention function received keyword argument(s) ['softcap'] from \
+BertSelfAttention (model_type='bert'), which it does not implement: ...
     """
-    if kwargs.get("head_mask") is not None:
-        raise ValueError(_HEAD_MASK_MESSAGE)
+    if kwargs.keys() - IGNORED_KWARGS:
+        _check_kwargs(module, kwargs)
     state: _LayerState | None = getattr(module, _STATE_ATTR, None)
     if state is None:  # an attention module the hub does not track (cross-attention, say)
         return sdpa_attention_forward(
@@ -230,12 +272,62 @@ def attention_forward(
         state.pending_recomputes -= 1
     else:
         for record in probs_records:
-            record._add(state, probs)
+            record._add(state, probs, attention_mask)
         if torch.is_grad_enabled() and state.will_be_replayed():
             state.pending_recomputes += 1
     weights = F.dropout(probs, p=dropout, training=True) if dropout > 0 else probs
     output = torch.matmul(weights, repeat_kv(value, query.shape[1] // value.shape[1]))
     return output.transpose(1, 2).contiguous(), probs
+
+
+OWN_BATCH_KEYS = "attnreg_"  # attnreg's own batch entries (a syntax prior) that a model's **kwargs pass along
+IGNORED_KWARGS = frozenset(
+    {
+        # Read by the layer or the model, or meaningless for the attention function itself:
+        "position_ids",  # positions are already in q and k (RoPE); packed sequences are in the mask
+        "use_cache",
+        "cache_position",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",  # the Trainer's loss normaliser, forwarded by every **kwargs
+        "token_type_ids",
+        "encoder_hidden_states",  # BERT-like self-attention: keys and values are already projected
+        "encoder_attention_mask",
+        "seq_idx",
+        # The 4-D mask the layer receives already admits only the window (SDPA ignores the keyword too).
+        "sliding_window",
+        # Flash-attention varlen metadata: SDPA ignores it, the mask carries packed sequences.
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "deterministic",  # ModernBERT's flash-attention determinism flag
+    }
+)
+"""Keyword arguments an attention function may receive and ignore: every path of the hub (SDPA hand-off,
+capture, blockwise inputs) computes what eager attention computes without them. Any other keyword with a
+value (`softcap`, `s_aux`, `position_bias`, a typo) is refused by `attention_forward`, naming it."""
+
+
+def _check_kwargs(module: nn.Module, kwargs: dict) -> None:
+    """Raise for a keyword argument the hub does not implement (a `None` value is accepted: nothing to do)."""
+    if kwargs.get("head_mask") is not None:
+        raise ValueError(_HEAD_MASK_MESSAGE)
+    unknown = sorted(
+        key
+        for key in kwargs.keys() - IGNORED_KWARGS
+        if kwargs[key] is not None and key != "head_mask" and not key.startswith(OWN_BATCH_KEYS)
+    )
+    if unknown:
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        raise NotImplementedError(
+            f"attnreg's attention function received keyword argument(s) {unknown} from {type(module).__name__} "
+            f"(model_type={model_type!r}), which it does not implement: capture, temperature, gates and the "
+            "blockwise losses would compute something else than the model. Known keywords it may ignore: "
+            f"{sorted(IGNORED_KWARGS)}."
+        )
 
 
 def attention_probabilities(
@@ -370,19 +462,24 @@ class AttentionHub:
     # -- capture ------------------------------------------------------------------------------
     @contextmanager
     def capture(
-        self, layers: int | Iterable[int] | None = None, require_grad: bool = False, inputs: bool = False
+        self,
+        layers: int | Iterable[int] | None = None,
+        require_grad: bool = False,
+        inputs: bool = False,
+        skip_no_grad: bool = False,
     ) -> Iterator[AttentionRecord]:
         """Record attention probabilities of `layers` (all for None) during the block's forward passes.
 
         The probabilities keep their autograd graph, so a loss can be built on them. With
         `require_grad=True` a forward without autograd raises; by default only the silent case does
-        (reentrant gradient checkpointing, whose first forward runs under no_grad). With `inputs=True`
+        (reentrant gradient checkpointing, whose first forward runs under no_grad); with `skip_no_grad=True`
+        forwards under `torch.no_grad()` are left out instead (a trainer's extra metrics pass). With `inputs=True`
         the layers stay on SDPA and the record holds what they received (`LayerInputs`), for the
         blockwise losses of `attnreg.blockwise`, which keep nothing of size `[T, S]`.
         """
         self._check_active()
         chosen = self.resolve_layers(layers)
-        record = AttentionRecord(chosen, require_grad, inputs)
+        record = AttentionRecord(chosen, require_grad, inputs, skip_no_grad)
         states = [self._state(layer) for layer in chosen]
         for state in states:
             state.records.append(record)
@@ -502,11 +599,14 @@ class AttentionHub:
 
 class _GateHook:
     """Forward pre-hook on an output projection: scales each head's slice of its input by the gate.
+    (`attnreg_hook`: the hub moves it to a module that takes the projection's place, a PEFT adapter layer.)
 
     Installed on every layer at `attach`, whether it has a gate or not: `torch.compile` guards on what
     the hook reads, so a gate created after the first compiled call recompiles instead of being ignored
     (a hook added after compiling would be).
     """
+
+    attnreg_hook = True
 
     def __init__(self, attention: nn.Module) -> None:
         self.attention = attention
@@ -550,7 +650,7 @@ _HEAD_MASK_MESSAGE = (
 
 
 def _check_implementation(model: nn.Module) -> None:
-    current = model.config._attn_implementation
+    current = compat.attention_implementation(model.config)
     if current != IMPLEMENTATION:
         raise RuntimeError(
             f"attnreg is attached to {type(model).__name__}, but its attention implementation was changed to "
@@ -563,6 +663,28 @@ def _model_forward_guard(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs.get("head_mask") is not None:
         raise ValueError(_HEAD_MASK_MESSAGE)
     _check_implementation(model)
+    _follow_projections(getattr(model, _HUB_ATTR))
+
+
+def _follow_projections(hub: AttentionHub) -> None:
+    """Keep attnreg's hooks (gate, silencing) and buffers on whatever module holds each output projection's
+    place now: a PEFT adapter layer wrapped around it after `attach` (so the gate scales the input of the
+    adapter's path too), or the plain projection put back by `merge_and_unload()`."""
+    family, model = hub.family, hub.model
+    for layer in range(hub.num_layers):
+        state: _LayerState = getattr(family.attention_module(model, layer), _STATE_ATTR)
+        current = family.out_projection(model, layer)
+        if current is state.projection:
+            continue
+        old, state.projection = state.projection, current
+        if old is None:
+            continue
+        hooks = compat.forward_pre_hooks(old)
+        for key in [key for key, hook in hooks.items() if getattr(hook, "attnreg_hook", False)]:
+            current.register_forward_pre_hook(hooks.pop(key))
+        buffers = compat.buffers_of(old)
+        for name in [name for name in buffers if name.startswith("attnreg_")]:
+            current.register_buffer(name, buffers.pop(name), persistent=False)
 
 
 def _load_state_dict_pre_hook(model: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -590,7 +712,8 @@ def attach(model: nn.Module) -> AttentionHub:
     """Switch a transformers model to the "attnreg" attention implementation and return its hub.
 
     Calling it again on the same model returns the same hub. Raises `UnsupportedModelError` for a
-    model outside the family table.
+    model outside the family table. A PEFT model (`get_peft_model`) attaches the transformers model it
+    wraps, before or after the adapters are added: the gates act on the adapters' path too.
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -599,20 +722,27 @@ def attach(model: nn.Module) -> AttentionHub:
         >>> attach(model) is hub, is_attached(model), hub_of(model) is hub, model.config._attn_implementation
         (True, True, True, 'attnreg')
     """
+    model = transformers_model(model)
     existing: AttentionHub | None = getattr(model, _HUB_ATTR, None)
     if existing is not None:
-        if model.config._attn_implementation != IMPLEMENTATION:
+        if compat.attention_implementation(model.config) != IMPLEMENTATION:
             model.set_attn_implementation(IMPLEMENTATION)
         return existing
     family = detect_family(model)
+    if not compat.interface_capable(model):
+        raise UnsupportedModelError(
+            f"attnreg cannot attach to {type(model).__name__} (model_type={model.config.model_type!r}): its "
+            "attention modules never call transformers' attention interface, so the hub would see nothing"
+        )
     _register_implementation()
-    previous = model.config._attn_implementation
+    previous = compat.attention_implementation(model.config)
     hub = AttentionHub(model, family, previous)
     for layer in range(hub.num_layers):
         block = family.blocks(model)[layer]
         attention = family.attention_module(model, layer)
-        setattr(attention, _STATE_ATTR, _LayerState(index=layer, block=block))
-        family.out_projection(model, layer).register_forward_pre_hook(_GateHook(attention))
+        projection = family.out_projection(model, layer)
+        setattr(attention, _STATE_ATTR, _LayerState(index=layer, block=block, projection=projection))
+        projection.register_forward_pre_hook(_GateHook(attention))
     model.set_attn_implementation(IMPLEMENTATION)
     # A plain attribute, not a submodule: it is not in the state_dict and follows copy.deepcopy.
     object.__setattr__(model, _HUB_ATTR, hub)
@@ -632,7 +762,7 @@ def is_attached(model: nn.Module) -> bool:
         >>> detach(model); before, attached, is_attached(model)
         (False, True, False)
     """
-    return getattr(model, _HUB_ATTR, None) is not None
+    return getattr(transformers_model(model), _HUB_ATTR, None) is not None
 
 
 def hub_of(model: nn.Module) -> AttentionHub:
@@ -648,10 +778,24 @@ def hub_of(model: nn.Module) -> AttentionHub:
         >>> hub = attach(model); hub_of(model) is hub
         True
     """
-    hub = getattr(model, _HUB_ATTR, None)
+    hub = getattr(transformers_model(model), _HUB_ATTR, None)
     if hub is None:
         raise RuntimeError(f"{type(model).__name__} is not attached: call attnreg.attach(model) first")
     return hub
+
+
+def transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT model (`PeftModel.get_base_model()`), or `model` itself.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> transformers_model(model) is model
+        True
+    """
+    if not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
 
 
 def detach(model: nn.Module) -> None:
@@ -670,26 +814,78 @@ def detach(model: nn.Module) -> None:
         (True, False)
     """
     hub = hub_of(model)
-    family = hub.family
+    model, family = hub.model, hub.family
+    _follow_projections(hub)
+    _check_temperatures_fold(hub)
     for layer in range(hub.num_layers):
         hub.remove_gate(layer)
         projection = family.out_projection(model, layer)
-        _remove_hooks(projection._forward_pre_hooks, lambda hook: isinstance(hook, _GateHook))
+        _remove_hooks(compat.forward_pre_hooks(projection), lambda hook: isinstance(hook, _GateHook))
         attention = hub.attention(layer)
         head_dim = family.head_dim(attention)
         temperature = getattr(attention, TEMPERATURE, None)
         if temperature is not None:
-            query = attention.get_submodule(family.query or family.fused_qkv)
-            scale_output_rows(query, (1.0 / temperature).repeat_interleave(head_dim))
+            norm = family.query_norm_module(attention)
+            if norm is not None:  # the norm would undo a scale of the projection: fold into it
+                _fold_into_norm(norm, family.query_norm_offset, temperature, family.norm_layout)
+            else:
+                query = attention.get_submodule(family.query or family.fused_qkv)
+                scale = torch.ones(out_features(query))
+                scale[family.query_rows(attention)] = (1.0 / temperature.cpu()).repeat_interleave(head_dim)
+                scale_output_rows(query, scale)
             delattr(attention, TEMPERATURE)
         delattr(attention, _STATE_ATTR)
     _remove_hooks(
-        model._forward_pre_hooks, lambda hook: hook is _model_forward_guard, model._forward_pre_hooks_with_kwargs
+        compat.forward_pre_hooks(model),
+        lambda hook: hook is _model_forward_guard,
+        compat.forward_pre_hooks_with_kwargs(model),
     )
-    _remove_hooks(model._load_state_dict_pre_hooks, lambda hook: hook.hook is _load_state_dict_pre_hook)
+    _remove_hooks(compat.load_state_dict_pre_hooks(model), lambda hook: hook.hook is _load_state_dict_pre_hook)
     object.__delattr__(model, _HUB_ATTR)
     model.__dict__.pop(_SAVE_ATTR, None)
     model.set_attn_implementation(hub.previous_implementation)
+
+
+def _fold_into_norm(norm: nn.Module, offset: float, temperature: torch.Tensor, layout: str) -> None:
+    """Divide what `norm` returns, head by head, by `temperature`: its weight enters as `offset + weight`, its bias
+    (if any) adds. A norm shared by the heads (`Family.norm_layout` "shared") takes the first value (all are equal,
+    `_check_temperatures_fold`); a per-head norm (one module per head in `norms`, or weights `[H, head_dim]`) and
+    a whole-width one (weights `[H * head_dim]`, normalised before the weight) one value per head."""
+    temperature = temperature.detach().double().cpu()
+    if layout == "shared":
+        pairs = [(norm, None, temperature[0] if temperature.numel() else torch.tensor(1.0))]
+    elif isinstance(getattr(norm, "norms", None), nn.ModuleList):
+        pairs = [(module, None, value) for module, value in zip(norm.norms, temperature, strict=True)]
+    else:
+        pairs = [(norm, head, value) for head, value in enumerate(temperature)]
+    heads = temperature.numel()
+    with torch.no_grad():
+        for module, head, value in pairs:
+            for name, tensor_offset in (("weight", offset), ("bias", 0.0)):
+                tensor = getattr(module, name, None)
+                if tensor is None:
+                    continue
+                part = tensor if head is None else tensor.view(heads, -1)[head]
+                part.copy_((part.double() + tensor_offset).div(value.item()).sub(tensor_offset).to(part.dtype))
+
+
+def _check_temperatures_fold(hub: AttentionHub) -> None:
+    """Raise, before anything changes, where a temperature cannot be folded into the weights: a family whose
+    query norm is shared by the heads (`Family.query_norm`) takes only one temperature per layer."""
+    for layer in range(hub.num_layers):
+        temperature = hub.temperature(layer)
+        norm = hub.family.query_norm_module(hub.attention(layer))
+        shared = norm is not None and hub.family.norm_layout == "shared"
+        if temperature is None or not shared:
+            continue
+        if temperature.numel() and not torch.all(temperature == temperature[0]):
+            raise ValueError(
+                f"cannot fold the temperatures of layer {layer} ({temperature.tolist()}) into the weights of "
+                f"{type(hub.model).__name__} (model_type={hub.model.config.model_type!r}): its query norm "
+                f"({hub.family.query_norm}) renormalises each head's query with one weight shared by all heads, so "
+                "only a temperature equal on every head of a layer folds. Nothing was changed; set one value per "
+                "layer, or remove them with hub.set_temperature(None)."
+            )
 
 
 def _save_pretrained_folded(model: nn.Module, *args, **kwargs):

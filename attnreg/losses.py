@@ -63,22 +63,35 @@ def row_entropy(probs: torch.Tensor) -> torch.Tensor:
 
 
 def admissible_keys(
-    attention_mask: torch.Tensor | None, shape: torch.Size, causal: bool
+    attention_mask: torch.Tensor | None,
+    shape: torch.Size,
+    causal: bool,
+    layer_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid query rows `[B, 1, T]`, number of admissible keys per row `[B, 1, T]`).
+    """(valid query rows `[B, 1, T]`, number of admissible keys per row `[B, 1, T]`, `[B, H, T]` for a
+    layer mask per head).
 
-    A key is admissible when it is a real token and, for causal models, at or before the query.
+    A query row is valid when it is a real token of the 2D padding mask `attention_mask` `[B, S]` (None: all
+    are). A key is admissible when the layer's own mask `layer_mask` admits it (the SDPA mask the layer received,
+    `LayerInputs.attention_mask` or `AttentionRecord.attention_mask(layer)`: boolean, True = attend, or additive
+    float, so sliding windows count) and, for causal models, it is at or before the query. Without a layer mask
+    (SDPA needed none) the admissible keys are the real tokens of `attention_mask`, and causality.
 
     Example:
         >>> rows, counts = admissible_keys(torch.tensor([[1, 1, 0]]), torch.Size((1, 4, 3, 3)), causal=True)
         >>> rows.tolist(), counts.tolist()
         ([[[True, True, False]]], [[[1.0, 2.0, 2.0]]])
+        >>> window = torch.ones(4, 4, dtype=torch.bool).tril().triu(-1)[None, None]   # a window of 2 keys
+        >>> admissible_keys(None, torch.Size((1, 4, 4, 4)), causal=True, layer_mask=window)[1].tolist()
+        [[[1.0, 2.0, 2.0, 2.0]]]
     """
     batch, _, queries, keys = shape
     if attention_mask is None:
         attention_mask = torch.ones(batch, keys, dtype=torch.long)
     key_mask = attention_mask[:, -keys:].bool()
     query_mask = key_mask[:, -queries:]
+    if layer_mask is not None:
+        return query_mask[:, None, :], _layer_key_counts(layer_mask, batch, queries, keys, causal)
     if causal:
         offset = keys - queries
         counts = key_mask.long().cumsum(-1)[:, offset:]
@@ -87,24 +100,43 @@ def admissible_keys(
     return query_mask[:, None, :], counts[:, None, :].to(torch.float32)
 
 
+def _layer_key_counts(layer_mask: torch.Tensor, batch: int, queries: int, keys: int, causal: bool) -> torch.Tensor:
+    """Keys per query row `[B, 1 or H, T]` (float32) that an SDPA mask (broadcastable to `[B, H, T, S]`, longer
+    key axes cut at S as SDPA cuts them) admits, and causality on top, as `hub.attention_scores` masks them."""
+    mask = layer_mask.reshape((1,) * (4 - layer_mask.dim()) + tuple(layer_mask.shape))[..., :keys]
+    admitted = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    if causal and queries > 1:
+        later = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril(keys - queries)
+        admitted = admitted & later
+    admitted = admitted.expand(batch, admitted.shape[1], queries, keys)
+    return admitted.sum(-1, dtype=torch.float32)
+
+
 def attention_entropy(
     probs: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     causal: bool = False,
     normalize: bool = False,
+    layer_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean attention entropy per head `[H]` over the real query rows of a batch.
 
     With `normalize=True` each row's entropy is divided by log(number of admissible keys), so rows
     and sequences of different lengths compare (1 = uniform, 0 = one key); rows with a single
-    admissible key are left out then.
+    admissible key are left out then. The admissible keys are those the layer's own mask admits where
+    `layer_mask` is given (`AttentionRecord.attention_mask(layer)`: sliding windows count), else the real
+    tokens of `attention_mask` (see `admissible_keys`).
 
     Example:
         >>> probs = torch.tensor([[[[0.5, 0.5], [0.5, 0.5]], [[1.0, 0.0], [0.0, 1.0]]]])  # [1, 2, 2, 2]
         >>> attention_entropy(probs, normalize=True)                     # uniform, then one key
         tensor([1., 0.])
+        >>> window = torch.tensor([[[[True, True, False], [False, True, True], [False, True, True]]]])
+        >>> uniform = window / window.sum(-1, keepdim=True)              # uniform over the 2 keys each row admits
+        >>> attention_entropy(uniform, normalize=True), attention_entropy(uniform, normalize=True, layer_mask=window)
+        (tensor([0.6309]), tensor([1.]))
     """
-    return mean_row_entropy(row_entropy(probs), attention_mask, probs.shape[-1], causal, normalize)
+    return mean_row_entropy(row_entropy(probs), attention_mask, probs.shape[-1], causal, normalize, layer_mask)
 
 
 def mean_row_entropy(
@@ -113,16 +145,19 @@ def mean_row_entropy(
     keys: int,
     causal: bool = False,
     normalize: bool = False,
+    layer_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention_entropy` from row entropies `[B, H, T]` (of `keys` keys each), as `attnreg.blockwise`
-    computes them: the mean per head `[H]` over the real query rows.
+    computes them: the mean per head `[H]` over the real query rows. A `layer_mask` per head must hold the
+    heads of `entropy` only.
 
     Example:
         >>> mean_row_entropy(torch.tensor([[[0.5, 0.7, 9.0]]]), torch.tensor([[1, 1, 0]]), keys=3)  # row 2: pad
         tensor([0.6000])
     """
     batch, heads, queries = entropy.shape
-    rows, counts = admissible_keys(attention_mask, torch.Size((batch, heads, queries, keys)), causal)
+    layer_mask = layer_mask if normalize else None  # only normalisation reads the counts
+    rows, counts = admissible_keys(attention_mask, torch.Size((batch, heads, queries, keys)), causal, layer_mask)
     rows, counts = rows.to(entropy.device), counts.to(entropy.device)
     if normalize:
         rows = rows & (counts > 1)

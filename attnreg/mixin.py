@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from attnreg.compat import lightning_trainer
 from attnreg.hub import AttentionHub, AttentionRecord, attach, find_transformers_model
 from attnreg.pruning import add_pruning_to_checkpoint, restore_pruning
 
@@ -230,7 +231,7 @@ class EvalModeWarning(UserWarning):
 
 def _warn_if_eval_mode(module: AttnRegMixin) -> None:
     """Once per fit: transformers' `from_pretrained` returns eval mode, and Lightning 2.6 keeps it."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_trainer(module)
     if trainer is None or module.__dict__.get("_attnreg_mode_checked") is trainer:
         return
     module.__dict__["_attnreg_mode_checked"] = trainer
@@ -278,5 +279,5 @@ def require_mixin(pl_module: Any, user: object) -> AttnRegMixin:
 
 
 def _world_size(module: Any) -> int:
-    trainer = getattr(module, "_trainer", None)
+    trainer = lightning_trainer(module)
     return trainer.world_size if trainer is not None else 1

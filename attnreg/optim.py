@@ -207,6 +207,42 @@ def _group_name(key: LayerKey, names: Sequence[str], argument: str) -> str:
     raise KeyError(f"{argument}: {key!r} matches no layer group; the groups are {list(names)} (or layer indices)")
 
 
+def check_multipliers(multipliers: Mapping[LayerKey, float] | Sequence[float] | None) -> None:
+    """Raise unless `multipliers` has the form `layerwise_param_groups` takes, before any model is seen: a dict
+    keyed by group name (`"embeddings"`, `"layer3"`, `"head"`, `"gates"`) or layer index >= 0, or a list,
+    of finite factors > 0. Whether the layers exist is checked against the model later.
+
+    Example:
+        >>> check_multipliers({"gates": 100, 3: 0.5})
+        >>> check_multipliers({"gates": -100})
+        Traceback (most recent call last):
+        ...
+        ValueError: multipliers['gates'] must be a finite number > 0 (use freeze= for 0), got -100
+    """
+    if multipliers is None:
+        return
+    if isinstance(multipliers, Mapping):
+        items = list(multipliers.items())
+        for key, _ in items:
+            named = isinstance(key, str) and (key in (EMBEDDINGS, HEAD, GATES) or re.fullmatch(r"layer\d+", key))
+            if not (named or (isinstance(key, int) and not isinstance(key, bool) and key >= 0)):
+                raise KeyError(
+                    f"multipliers: {key!r} matches no layer group; the groups are {EMBEDDINGS!r}, 'layer0' ..., "
+                    f"{HEAD!r}, {GATES!r} (or layer indices)"
+                )
+    elif isinstance(multipliers, Sequence) and not isinstance(multipliers, str):
+        items = list(enumerate(multipliers))
+    else:
+        raise TypeError(f"multipliers must be a dict or a list, got {type(multipliers).__name__}")
+    for key, value in items:
+        _check_factor(key, value)
+
+
+def _check_factor(name: LayerKey, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"multipliers[{name!r}] must be a finite number > 0 (use freeze= for 0), got {value!r}")
+
+
 def _multiplier_table(
     multipliers: Mapping[LayerKey, float] | Sequence[float] | None, names: Sequence[str], num_layers: int
 ) -> dict[str, float]:
@@ -224,8 +260,7 @@ def _multiplier_table(
     else:
         raise TypeError(f"multipliers must be a dict or a list, got {type(multipliers).__name__}")
     for name, value in table.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
-            raise ValueError(f"multipliers[{name!r}] must be a finite number > 0 (use freeze= for 0), got {value!r}")
+        _check_factor(name, value)
     return {name: float(value) for name, value in table.items()}
 
 

@@ -64,8 +64,10 @@ from transformers import PreTrainedModel
 
 from attnreg.configs import register_resolvers
 from attnreg.evaluation import accuracy, head_report, layer_entropy, pruning_report
+from attnreg.families import detect_family
 from attnreg.models import load_tokenizer
 from attnreg.pruning import pruned_heads, save_pruned
+from attnreg.syntax.data import SyntaxCollator
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     tokenizer = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
     data = instantiate(cfg.data, tokenizer=tokenizer, with_prior="prior" in needs)
     model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
+    count_causal_rows(data, model)
     provide(callbacks.values(), data)
     module = instantiate(cfg.module, model=model)
     checkpoint = instantiate(cfg.checkpoint, dirpath=str(output_dir / "checkpoints"))
@@ -334,16 +337,33 @@ def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | N
     return heads
 
 
+def count_causal_rows(data: Any, model: PreTrainedModel) -> None:
+    """For a decoder, have the data's `SyntaxCollator` count (and warn once about) the prior rows that the
+    loss's causal restriction leaves out: words whose parent is to their right.
+
+    Example:
+        >>> from attnreg.datamodules import AgreementDataModule
+        >>> from attnreg.models import tiny_classifier
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2); data.setup("fit")
+        >>> count_causal_rows(data, tiny_classifier(data.tokenizer, num_labels=2, family="gpt2"))
+        >>> data.collator().causal
+        True
+    """
+    collator = data.collator() if hasattr(data, "collator") else None
+    if isinstance(collator, SyntaxCollator):
+        collator.causal = detect_family(model).causal
+
+
 def prior_arcs(data: Any) -> dict[str, int] | None:
     """What the syntax prior covered over the run (sentences, arcs, arcs dropped by truncation or shared
-    tokens), or None when the data built no prior.
+    tokens, and for a decoder the prior rows the causal restriction drops), or None when the data built no prior.
 
     Example:
         >>> from attnreg.datamodules import AgreementDataModule
         >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2); data.setup("fit")
         >>> _ = next(iter(data.loader("val")))                  # the collator counts what it built
         >>> prior_arcs(data), prior_arcs(AgreementDataModule(with_prior=False))
-        ({'sentences': 4, 'arcs': 39, 'arcs_dropped': 0}, None)
+        ({'sentences': 4, 'arcs': 39, 'arcs_dropped': 0, 'causal_rows': 0, 'causal_rows_dropped': 0}, None)
     """
     stats = getattr(data.collator(), "stats", None)
     return None if stats is None else dataclasses.asdict(stats)
@@ -377,15 +397,28 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     heads = summary.get("parent_accuracy")
     if heads:
         supervised = ", ".join(f"{name} {_fraction(value)}" for name, value in heads["supervised"].items()) or "none"
+        if "right_branching" in heads:
+            baseline = f"right-branching {heads['right_branching']:.3f}"
+        else:  # a decoder: accuracy over the parents to the left, the only ones a causal head can attend to
+            baseline = (
+                f"left-branching {heads['left_branching']:.3f} (a decoder: over the {heads['reachable_share']:.1%} "
+                "of words whose parent is to their left)"
+            )
         lines.append(
             f"parent accuracy on {heads['sentences']} held-out sentences: supervised {supervised}; "
-            f"best head {heads['best_head']} {_fraction(heads['best'])}; right-branching {heads['right_branching']:.3f}"
+            f"best head {heads['best_head']} {_fraction(heads['best'])}; {baseline}"
         )
     arcs = summary.get("prior_arcs")
     if arcs and arcs["arcs"]:
         lines.append(
             f"syntax prior: {arcs['arcs']} arcs in {arcs['sentences']} sentences, {arcs['arcs_dropped']} without a "
             f"prior ({arcs['arcs_dropped'] / arcs['arcs']:.1%}: truncated, or sharing a token)"
+        )
+    if arcs and arcs.get("causal_rows"):
+        dropped, rows = arcs["causal_rows_dropped"], arcs["causal_rows"]
+        lines.append(
+            f"causal restriction: {dropped} of {rows} prior rows left out ({dropped / rows:.1%}: the parent is to "
+            "the right, which a decoder cannot attend to)"
         )
     pruning = summary.get("pruning")
     if pruning:

@@ -8,6 +8,8 @@ from torch.utils.data import DataLoader
 import attnreg
 from attnreg.tiny import tiny_model
 
+# The families the older, feature-by-feature tests run on (their expectations are written for these layouts); every
+# family of attnreg.families.FAMILIES runs through tests/test_families.py's conformance test and tests/test_windows.py.
 FAMILIES = ["bert", "roberta", "electra", "distilbert", "gpt2", "llama", "qwen2", "mistral"]
 DECODERS = {"gpt2", "llama", "qwen2", "mistral"}
 
@@ -89,3 +91,23 @@ def trainer(tmp_path, max_steps, callbacks, **options) -> L.Trainer:
         callbacks=callbacks,
         **options,
     )
+
+
+def sgd_arguments(output_dir, **options):
+    """`TrainingArguments` for comparing runs exactly: plain SGD at a constant rate, no clipping, no saving, CPU."""
+    from transformers import TrainingArguments
+
+    defaults = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return TrainingArguments(**(defaults | options))

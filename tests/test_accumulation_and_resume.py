@@ -7,7 +7,7 @@ import math
 import lightning as L
 import pytest
 import torch
-from conftest import Classifier
+from conftest import Classifier, sgd_arguments
 from torch.utils.data import DataLoader
 from transformers import TrainingArguments
 
@@ -26,21 +26,7 @@ def examples(count: int, length: int = 8, vocab: int = 99) -> list[dict[str, tor
 
 
 def hf_arguments(tmp_path, **options) -> TrainingArguments:
-    defaults = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_drop_last=True,
-    )
-    return TrainingArguments(**(defaults | options))
+    return sgd_arguments(tmp_path, **({"dataloader_drop_last": True} | options))
 
 
 def term_methods():
@@ -221,7 +207,9 @@ def test_a_removal_that_cannot_be_done_is_refused_at_bind():
     model = tiny_model("llama", head="causal_lm")
     model.model.layers[1].self_attn.o_proj = Wrapped(model.model.layers[1].self_attn.o_proj)
     gating = methods.HeadGating(methods.L1Gates(), methods.Removal(keep=4))
-    with pytest.raises(TypeError, match=r"layer 1 .*model\.layers\.1\.self_attn\.o_proj is a Wrapped"):
+    with pytest.raises(
+        TypeError, match=r"HeadGating: heads of layer 1 .*model\.layers\.1\.self_attn\.o_proj is a .*Wrapped"
+    ):
         gating.bind(model, taken=set())
     assert not attnreg.attach(model).gates  # refused before any gate was made
 

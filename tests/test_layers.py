@@ -59,3 +59,67 @@ def test_the_check_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from attnreg.callbacks.base import MethodCallback\nimport lightning as L\n")
     assert {"attnreg.callbacks.base", "lightning"} <= imported_modules(bad)
+
+
+ADAPTERS = ["integrations/hf.py", "callbacks/base.py", "mixin.py"]
+PROTOCOL = {"Method", "Loop", "Runner", "Captured"}
+
+
+def method_classes_named(path: Path) -> set[str]:
+    """The method classes of `attnreg.methods` (other than the protocol's) that a file names."""
+    import attnreg.methods
+
+    classes = {name for name in attnreg.methods.__all__ if isinstance(getattr(attnreg.methods, name), type)}
+    tree = ast.parse(path.read_text())
+    named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    named |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    named |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    return named & (classes - PROTOCOL)
+
+
+@pytest.mark.parametrize("entry", ADAPTERS)
+def test_adapters_name_no_method(entry):
+    """An adapter translates its framework's events into the methods' protocol: it names no method class."""
+    assert not method_classes_named(PACKAGE / entry)
+
+
+def test_the_adapter_check_sees_a_method_class(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from attnreg.methods import Runner, HeadGating\nisinstance(x, methods.PriorKL)\n")
+    assert method_classes_named(bad) == {"HeadGating", "PriorKL"}
+
+
+def private_names_used(files: list[Path]) -> dict[str, list[str]]:
+    """Private attributes (`obj._name`) read in `files` that attnreg itself never defines: names of torch,
+    transformers or Lightning, by `file:line`."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py")) if path.name != "compat.py"}
+    defined = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                defined.add(node.value)  # setattr(module, "_name", ...) and the like
+    used: dict[str, list[str]] = {}
+    for path in files:
+        for node in ast.walk(trees.get(path) or ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else None
+            if name and name.startswith("_") and not name.startswith("__") and name not in defined:
+                where = path.relative_to(PACKAGE) if path.is_relative_to(PACKAGE) else path
+                used.setdefault(name, []).append(f"{where}:{node.lineno}")
+    return used
+
+
+def test_private_names_of_other_libraries_live_in_the_compatibility_module():
+    files = [path for path in sorted(PACKAGE.rglob("*.py")) if path.name != "compat.py"]
+    assert not private_names_used(files)
+
+
+def test_the_private_name_check_sees_one(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nstate = torch._C._current_graph_task_id()\n")
+    assert set(private_names_used([bad])) == {"_C", "_current_graph_task_id"}

@@ -211,6 +211,7 @@ def test_pruning_run_saves_the_pruned_model_it_evaluated(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_ddp_on_two_cpu_processes_runs_every_callback_and_prunes_alike(tmp_path):
     callbacks = "attnreg=[syntax_kl,entropy,dropout_schedule,head_gating,layerwise_lr]"
     overrides = ["trainer=ddp", callbacks, "attnreg.head_gating.removal.keep=6", *SMALL, *QUIET, "trainer.max_epochs=2"]

@@ -12,6 +12,13 @@ misses), nor words cut by truncation or sharing a token, nor words whose head is
 fixed-offset baselines predict the word k positions away (k = +1: right-branching) for the same words.
 Everything is vectorized per batch: no attention map outlives its batch.
 
+A causal model (a decoder: `causal=True`, which `analyze` sets from the model) attends only to words at
+or before the query, so a dependent can find its head only when the head is to its left, and a head its
+dependent only when the dependent is to its left. Accuracy in each direction is then over the words
+whose parent it can reach (`reachable_words`, `reachable_share` says what share), no prediction falls on
+a word the query cannot see, and the baselines are the left offsets over the same words (a right
+offset reaches no parent a causal head can attend to).
+
 Example:
     >>> from attnreg.analysis import parent_accuracy
     >>> from attnreg.task import build_tokenizer, generate, vocabulary
@@ -90,10 +97,13 @@ def _membership(token_word: torch.Tensor, words: int, dtype: torch.dtype) -> tor
     return membership
 
 
-def predicted_heads(words: torch.Tensor, valid: torch.Tensor, direction: Direction) -> torch.Tensor:
-    """Each word's predicted head `[B, H, W]` from word attention `[B, H, W, W]`.
+def predicted_heads(
+    words: torch.Tensor, valid: torch.Tensor, direction: Direction, causal: bool = False
+) -> torch.Tensor:
+    """Each word's predicted head `[B, H, W]` from word attention `[B, H, W, W]` (-1: none it can see).
 
-    `valid` `[B, W]` marks words with tokens; other words and the word itself are never predicted.
+    `valid` `[B, W]` marks words with tokens; other words and the word itself are never predicted, nor,
+    with `causal`, a word attending to a later one.
 
     Example:
         >>> words = torch.tensor([[[[0.0, 0.7, 0.3], [0.6, 0.0, 0.4], [0.1, 0.9, 0.0]]]])   # [B, H, W, W]
@@ -103,12 +113,19 @@ def predicted_heads(words: torch.Tensor, valid: torch.Tensor, direction: Directi
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    masked = _block_for_argmax(words.clone(), valid)
-    return masked.argmax(-1 if direction == "dependent_to_head" else -2)
+    masked = _block_for_argmax(words.clone(), valid, causal)
+    return _argmax(masked, -1 if direction == "dependent_to_head" else -2)
 
 
-def _block_for_argmax(words: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Set, in place, the diagonal and the rows and columns of words without tokens to -inf.
+def _argmax(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """Argmax along `dim`, -1 where everything is blocked (the first word of a causal row, say)."""
+    values, index = words.max(dim)
+    return index.masked_fill(values == -torch.inf, -1)
+
+
+def _block_for_argmax(words: torch.Tensor, valid: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Set, in place, the diagonal, the rows and columns of words without tokens and, with `causal`, the
+    attention of a word to a later one (above the diagonal) to -inf.
 
     One mask serves both directions: a blocked row only holds the prediction of a word that is never
     scored (dependent to head), a blocked column only that of such a word as dependent (head to dependent).
@@ -116,6 +133,8 @@ def _block_for_argmax(words: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     width = words.shape[-1]
     invalid = ~valid[:, None, :]
     blocked = torch.eye(width, dtype=torch.bool, device=words.device) | invalid | invalid.transpose(-1, -2)
+    if causal:
+        blocked = blocked | torch.ones(width, width, dtype=torch.bool, device=words.device).triu(1)
     return words.masked_fill_(blocked[:, None], -torch.inf)
 
 
@@ -175,7 +194,9 @@ class ParentAccuracy:
     `reverse_hits` the same head to dependent; `words` is the number of scored words; `offset_hits[k]`
     the words whose head is k positions away (k = +1: right-branching). Per relation: `by_relation[rel]`
     holds `(hits [L, H], words)` (dependent to head), `reverse_by_relation[rel]` the head-to-dependent
-    hits, `relation_offset_hits[rel][k]` the baselines. Pruned heads (`present` False) read NaN.
+    hits, `relation_offset_hits[rel][k]` the baselines. Pruned heads (`present` False) read NaN. With
+    `causal` (a decoder) accuracies and baselines are over the words whose parent the direction can reach
+    (`left_words` have their parent to their left, see the module docstring).
 
     Example:
         >>> from attnreg.syntax import Sentence, align_word_ids
@@ -188,6 +209,10 @@ class ParentAccuracy:
         (tensor([[1.]]), 2, (0, 0, 1.0), 0.5, (1, 0.5))
         >>> result.relation_words()                      # scored words per relation: the root is not scored
         {'amod': 1, 'det': 1}
+        >>> decoder = ParentAccuracy.empty(layers=1, heads=1, causal=True)   # "a" cannot attend to "b"
+        >>> decoder.update({0: probs.tril()}, targets)
+        >>> decoder.accuracy, decoder.reachable_words(), decoder.reachable_share(), decoder.best_baseline()
+        (tensor([[1.]]), 1, 0.5, (-1, 1.0))
     """
 
     hits: torch.Tensor
@@ -199,6 +224,9 @@ class ParentAccuracy:
     relation_offset_hits: dict[str, dict[int, int]] = field(default_factory=dict)
     max_offset: int = 5
     present: torch.Tensor | None = None
+    causal: bool = False
+    left_words: int = 0
+    relation_left_words: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.reverse_hits is None:
@@ -207,8 +235,8 @@ class ParentAccuracy:
             self.present = torch.zeros(self.hits.shape, dtype=torch.bool)
 
     @classmethod
-    def empty(cls, layers: int, heads: int, max_offset: int = 5) -> ParentAccuracy:
-        return cls(hits=torch.zeros(layers, heads, dtype=torch.float64), max_offset=max_offset)
+    def empty(cls, layers: int, heads: int, max_offset: int = 5, causal: bool = False) -> ParentAccuracy:
+        return cls(hits=torch.zeros(layers, heads, dtype=torch.float64), max_offset=max_offset, causal=causal)
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -220,6 +248,25 @@ class ParentAccuracy:
     def reverse_accuracy(self) -> torch.Tensor:
         """Parent accuracy, head to dependent, `[layers, heads]` in [0, 1]."""
         return self.relation_accuracy(None, "head_to_dependent")
+
+    def reachable_words(self, relation: str | None = None, direction: Direction = "dependent_to_head") -> int:
+        """Scored words (of `relation`; None: all) whose parent `direction` can reach: all of them, or for a
+        causal model those whose parent is to their left (dependent to head) or right (head to dependent)."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if relation is None:
+            words, left = self.words, self.left_words
+        elif relation in self.by_relation:
+            words, left = self.by_relation[relation][1], self.relation_left_words.get(relation, 0)
+        else:
+            raise KeyError(f"no word with relation {relation!r}; relations seen: {sorted(self.by_relation)}")
+        if not self.causal:
+            return words
+        return left if direction == "dependent_to_head" else words - left
+
+    def reachable_share(self, direction: Direction = "dependent_to_head") -> float:
+        """The share of scored words whose parent `direction` can reach (1 unless causal)."""
+        return self.reachable_words(None, direction) / max(self.words, 1)
 
     def relation_words(self) -> dict[str, int]:
         """Scored words per relation, most frequent first."""
@@ -233,13 +280,13 @@ class ParentAccuracy:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         if relation is None:
-            hits, words = (self.hits if direction == "dependent_to_head" else self.reverse_hits), self.words
+            hits = self.hits if direction == "dependent_to_head" else self.reverse_hits
         elif relation in self.by_relation:
-            hits, words = self.by_relation[relation]
+            hits = self.by_relation[relation][0]
             hits = hits if direction == "dependent_to_head" else self.reverse_by_relation[relation]
         else:
             raise KeyError(f"no word with relation {relation!r}; relations seen: {sorted(self.by_relation)}")
-        accuracy = (hits / max(words, 1)).float()
+        accuracy = (hits / max(self.reachable_words(relation, direction), 1)).float()
         return torch.where(self.present, accuracy, torch.nan)
 
     def best_head(
@@ -251,22 +298,25 @@ class ParentAccuracy:
         return layer, head, float(accuracy[layer, head])
 
     def baseline(self, offset: int = 1, relation: str | None = None) -> float:
-        """Accuracy of always choosing the word `offset` positions away (+1 = right-branching)."""
-        if relation is None:
-            return self.offset_hits.get(offset, 0) / max(self.words, 1)
-        words = self.by_relation[relation][1] if relation in self.by_relation else 0
-        return self.relation_offset_hits.get(relation, {}).get(offset, 0) / max(words, 1)
+        """Accuracy of always choosing the word `offset` positions away (+1 = right-branching). For a causal
+        model: over the words whose parent is to their left, so a right offset (> 0) scores 0."""
+        if (relation is not None and relation not in self.by_relation) or (self.causal and offset > 0):
+            return 0.0
+        table = self.offset_hits if relation is None else self.relation_offset_hits.get(relation, {})
+        return table.get(offset, 0) / max(self.reachable_words(relation, "dependent_to_head"), 1)
 
     def best_baseline(self, relation: str | None = None) -> tuple[int, float]:
-        """(offset, accuracy) of the best fixed offset in [-max_offset, max_offset] for `relation`."""
-        offsets = [k for k in range(-self.max_offset, self.max_offset + 1) if k]
+        """(offset, accuracy) of the best fixed offset in [-max_offset, max_offset] for `relation` (a causal
+        model: the left offsets only)."""
+        offsets = [k for k in range(-self.max_offset, 0 if self.causal else self.max_offset + 1) if k]
         scores = [(self.baseline(k, relation), -abs(k), k) for k in offsets]
         accuracy, _, offset = max(scores)
         return offset, accuracy
 
     def relation_table(self, min_words: int = 1, relations: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Clark et al.'s Table 1: per relation (and "all" first), the best head in each direction and the
-        best fixed-offset baseline. Heads are "layer-head"; accuracies in percent."""
+        best fixed-offset baseline. Heads are "layer-head"; accuracies in percent. For a causal model each
+        direction also gives its reachable words (`<direction>_words`), the accuracy's denominator."""
         chosen = relations if relations is not None else [r for r, n in self.relation_words().items() if n >= min_words]
         rows = []
         for relation in [None, *chosen]:
@@ -280,6 +330,8 @@ class ParentAccuracy:
                 layer, head, accuracy = self.best_head(relation, direction)
                 row[f"{direction}_head"] = f"{layer}-{head}"
                 row[f"{direction}_accuracy"] = round(100 * accuracy, 1)
+                if self.causal:
+                    row[f"{direction}_words"] = self.reachable_words(relation, direction)
             offset, accuracy = self.best_baseline(relation)
             row["baseline_offset"] = offset
             row["baseline_accuracy"] = round(100 * accuracy, 1)
@@ -307,8 +359,8 @@ class ParentAccuracy:
         scored, codes = targets.scored.to(device), targets.relation_ids[targets.scored].to(device)
         valid = membership.sum(1) > 0  # words with tokens [B, W]
         for layer, layer_probs in probs.items():
-            words = _block_for_argmax(batch_word_attention(layer_probs.float(), membership), valid)
-            predicted = torch.stack([words.argmax(-1), words.argmax(-2)])  # [2 directions, B, H, W]
+            words = _block_for_argmax(batch_word_attention(layer_probs.float(), membership), valid, self.causal)
+            predicted = torch.stack([_argmax(words, -1), _argmax(words, -2)])  # [2 directions, B, H, W]
             correct = (predicted == gold[None, :, None]).transpose(-1, -2)[:, scored].float()  # [2, words, H]
             per_relation = torch.zeros(2, relations, correct.shape[-1], device=device).index_add_(1, codes, correct)
             columns = list(range(correct.shape[-1])) if heads is None else list(heads[layer])
@@ -332,6 +384,12 @@ class ParentAccuracy:
         relations = len(targets.relations)
         words = torch.bincount(codes, minlength=relations)
         self.words += int(scored.sum())
+        left = offsets < 0  # the parent is to the left: what a causal dependent can attend to
+        self.left_words += int(left.sum())
+        left_per_relation = torch.bincount(codes[left], minlength=relations)
+        for code in left_per_relation.nonzero().flatten().tolist():
+            name = targets.relations[code]
+            self.relation_left_words[name] = self.relation_left_words.get(name, 0) + int(left_per_relation[code])
         for code, relation in enumerate(targets.relations):
             if not words[code]:
                 continue  # e.g. the root: named in the batch, never scored
@@ -351,12 +409,18 @@ class ParentAccuracy:
                 table[offset] = table.get(offset, 0) + int(per_relation[code])
 
     def summary(self) -> dict[str, Any]:
-        """Best heads overall in both directions and the offset baselines, for JSON (percent)."""
-        summary: dict[str, Any] = {"words": self.words}
+        """Best heads overall in both directions and the offset baselines, for JSON (percent). A causal
+        model's gives each direction's reachable `words` and their `share` of all, and no right-branching
+        baseline (no parent it would find is one a causal head can attend to)."""
+        summary: dict[str, Any] = {"words": self.words, "causal": self.causal}
         for direction in DIRECTIONS:
             layer, head, accuracy = self.best_head(None, direction)
             summary[direction] = {"head": f"{layer}-{head}", "accuracy": round(100 * accuracy, 1)}
-        summary["right_branching"] = round(100 * self.baseline(1), 1)
+            if self.causal:
+                summary[direction]["words"] = self.reachable_words(None, direction)
+                summary[direction]["share"] = round(100 * self.reachable_share(direction), 1)
+        if not self.causal:
+            summary["right_branching"] = round(100 * self.baseline(1), 1)
         summary["left_branching"] = round(100 * self.baseline(-1), 1)
         offset, accuracy = self.best_baseline()
         summary["best_offset"] = {"offset": offset, "accuracy": round(100 * accuracy, 1)}

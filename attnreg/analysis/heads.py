@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -223,11 +223,12 @@ def head_output_norms(context: torch.Tensor, gram: torch.Tensor) -> torch.Tensor
     return squared.clamp_min(0).sqrt()
 
 
-@dataclass
-class HeadStatistics:
+@dataclass(eq=False)
+class HeadStatistics(Mapping[str, torch.Tensor]):
     """Running per-head statistics over a stream of batches; `stats[name]` is a `[layers, heads]` mean.
 
-    Heads are indexed by their original numbers: a pruned head has no rows and reads NaN.
+    A read-only mapping from each statistic's name (`STATISTICS`) to its means: iterate it, `len`,
+    `in`, `.items()`. Heads are indexed by their original numbers: a pruned head has no rows and reads NaN.
 
     Example:
         >>> stats = HeadStatistics.empty(layers=2, heads=4)
@@ -238,6 +239,8 @@ class HeadStatistics:
         tensor([1., nan])
         >>> stats.to_dict()["to_self"]
         [[0.333333, 0.333333, 0.333333, 0.333333], [None, None, None, None]]
+        >>> list(stats)[:3], len(stats), "entropy" in stats
+        (['entropy', 'to_start', 'to_end'], 11, True)
     """
 
     sums: torch.Tensor
@@ -259,6 +262,12 @@ class HeadStatistics:
         k = STATISTICS.index(name)
         rows = self.rows[..., k]
         return torch.where(rows > 0, self.sums[..., k] / rows.clamp_min(1), torch.nan).float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STATISTICS)
+
+    def __len__(self) -> int:
+        return len(STATISTICS)
 
     def update(
         self,

@@ -150,7 +150,9 @@ def analyze(
     kinds = TokenKinds.from_tokenizer(tokenizer) if statistics else None
     result = Analysis(
         statistics=HeadStatistics.empty(layers, width) if statistics else None,
-        syntax=ParentAccuracy.empty(layers, width, max_offset) if syntax and sentences is not None else None,
+        syntax=ParentAccuracy.empty(layers, width, max_offset, hub.family.causal)
+        if syntax and sentences is not None
+        else None,
         similarity=TokenSimilarity.empty(layers) if similarity else None,
     )
     batches = (

@@ -16,6 +16,7 @@ Example:
     ['attnreg/attention_dropout', 'attnreg/entropy', 'attnreg/entropy/layer0', 'attnreg/entropy/layer1', 'train/loss']
 """
 
+from attnreg.callbacks.base import MethodCallback, TermCallback
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.monitor import AttentionMonitor, EntropyCollapseWarning
 from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
@@ -32,5 +33,7 @@ __all__ = [
     "HeadGating",
     "HeadImportance",
     "LayerwiseLR",
+    "MethodCallback",
     "SyntaxPriorKL",
+    "TermCallback",
 ]

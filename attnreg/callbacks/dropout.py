@@ -11,10 +11,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
-import lightning as L
-
 from attnreg.callbacks.base import MethodCallback
 from attnreg.methods.dropout import DropoutSchedule
 
@@ -37,9 +33,3 @@ class AttentionDropoutSchedule(MethodCallback):
     """
 
     method_class = DropoutSchedule
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        for name, rate in self.method.before_step(trainer.global_step).items():
-            pl_module.log(f"attnreg/{name}", rate, on_step=True, on_epoch=False)

@@ -28,13 +28,10 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
-import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from attnreg.callbacks.base import MethodCallback
 from attnreg.methods.monitor import EntropyCollapseWarning, Monitor
@@ -57,35 +54,7 @@ class AttentionMonitor(MethodCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.bind(trainer, pl_module)  # in every stage: the hub switches the implementation before it runs
 
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.method.due(trainer.global_step):
-            self.check(trainer, pl_module, batch)
-
     def check(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Mapping[str, Any]) -> dict[str, float]:
         """Measure, log and flag now, on `batch` (a dict with `input_ids` and `attention_mask`)."""
-        result = self.method.check(batch, trainer.global_step)
-        for logger in trainer.loggers:
-            logger.log_metrics(result.metrics, step=trainer.global_step)
-        self._write_heatmaps(trainer, result.probs, result.mask)
-        if result.stop:
-            trainer.should_stop = True
-        return result.metrics
-
-    def _write_heatmaps(self, trainer: L.Trainer, probs: Mapping[int, torch.Tensor], mask: Any) -> None:
-        boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
-        if not (self.heatmaps and boards):
-            return
-        from attnreg.plots import attention_grid
-
-        length = int(mask[0].sum()) if mask is not None else None
-        try:
-            figure = attention_grid(probs, length=length, title=f"attention at step {trainer.global_step}")
-        except ImportError as error:
-            if not self.__dict__.get("_warned_heatmaps"):
-                warnings.warn(f"AttentionMonitor: no heatmaps ({error})", stacklevel=2)
-                self._warned_heatmaps = True
-            return
-        for logger in boards:
-            logger.experiment.add_figure(f"{self.prefix}/attention", figure, global_step=trainer.global_step)
+        self._batch = batch
+        return self.method.measure(self.loop(trainer, pl_module)).metrics

@@ -10,16 +10,13 @@ only toggles `requires_grad` (a parameter without a gradient is skipped by torch
 decay included), chosen from `trainer.current_epoch` at every epoch start, so a resumed run matches.
 
 Example:
+    >>> import lightning as L
     >>> from attnreg.schedules import Linear, Warmup
     >>> llrd = LayerwiseLR(lr=2e-5, decay=0.95, weight_decay=0.01, schedule=Warmup(0.06, Linear(1.0, 0.0)))
     >>> trainer = L.Trainer(callbacks=[llrd, FreezeLayers(["embeddings"], epochs=1)], logger=False)
 """
 
 from __future__ import annotations
-
-import lightning as L
-from lightning.pytorch.utilities.types import LRSchedulerConfig
-from torch.optim.lr_scheduler import LambdaLR
 
 from attnreg import methods
 from attnreg.callbacks.base import MethodCallback
@@ -44,26 +41,6 @@ class LayerwiseLR(MethodCallback):
 
     method_class = methods.LayerwiseLR
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        if len(trainer.optimizers) != 1:
-            count = len(trainer.optimizers)
-            raise ValueError(f"LayerwiseLR replaces the module's one optimizer; configure_optimizers returned {count}")
-        optimizer = self.method.build_optimizer(pl_module)
-        trainer.strategy.optimizers = [optimizer]
-        schedulers = []
-        if self.method.schedule is not None:
-            schedulers = [LRSchedulerConfig(LambdaLR(optimizer, self.method.factor), interval="step")]
-        trainer.strategy.lr_scheduler_configs = schedulers
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """After a resume (Lightning restores the optimizer after `on_fit_start`), set each group's rate
-        from the schedule at the restored step: the checkpoint holds the rates of its own length."""
-        for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
-                group["lr"] = base * self.method.factor(scheduler.last_epoch)
-
 
 class FreezeLayers(MethodCallback):
     """Freezes layer groups for the first `epochs` epochs (`attnreg.methods.FreezeLayers(groups, epochs)`),
@@ -83,10 +60,3 @@ class FreezeLayers(MethodCallback):
     """
 
     method_class = methods.FreezeLayers
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        self.method.check_optimizer(trainer.optimizers)
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.method.before_epoch(trainer.current_epoch)

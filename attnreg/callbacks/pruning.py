@@ -21,9 +21,6 @@ Example:
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import lightning as L
 
 from attnreg import pruning
@@ -64,67 +61,23 @@ class HeadGating(TermCallback):
 
     method_class = Gating
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if self.method.removal.during_training and trainer.world_size > 1:
-            raise NotImplementedError(
-                "HeadGating: pruning during training changes parameter shapes, which DDP cannot follow; "
-                "prune at the end of fit (Removal without after_steps, after_epochs and milestones)"
-            )
-        super().setup(trainer, pl_module, stage)
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.method.dual_step()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._prune_if_due(trainer, pl_module, self.method.due(trainer.global_step))
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._prune_if_due(trainer, pl_module, self.method.due(trainer.global_step, trainer.current_epoch + 1))
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._prune_if_due(trainer, pl_module, self.method.due(trainer.global_step, end=True))
-
-    def _prune_if_due(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, due: tuple[int | None, bool] | None
-    ) -> None:
-        if due is not None:
-            keep, final = due
-            self.prune(trainer, pl_module, keep, final)
-
     def prune(
         self, trainer: L.Trainer, pl_module: L.LightningModule, keep: int | None = None, final: bool = True
     ) -> pruning.PruneReport:
         """Remove heads now (all but the `keep` best, default the removal's, else below its threshold).
 
-        Called by the hooks when `Removal` says; call it yourself (from a hook of yours, with the trainer)
-        to prune at another moment. Returns what `attnreg.pruning.prune_heads` did.
+        The method removes heads when `Removal` says; call this yourself (from a hook of yours, with the
+        trainer) to prune at another moment. Returns what `attnreg.pruning.prune_heads` did.
         """
-        method = self.method
-        keep = method.removal.keep if keep is None else keep
-        positions = trainer.strategy.broadcast(method.choose(keep), src=0)
-        rescue = Path(trainer.default_root_dir, "attnreg-unpruned") if trainer.is_global_zero else None
-        report = method.prune(list(trainer.optimizers), trainer.global_step, keep, final, positions, rescue)
-        if final:
-            require_mixin(pl_module, self).remove_attnreg_term(method.name)
+        keep = self.method.removal.keep if keep is None else keep
+        report = self.method.remove_if_due(self.loop(trainer, pl_module), (keep, final))
+        self._drop_if_inactive()
         return report
-
-    def current_weight(self) -> float:
-        """The penalty's weight at the module's current global step."""
-        module = self.__dict__.get("_module")
-        return self.method.current_weight(module.global_step if module is not None and module._trainer else 0)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         pruning.add_pruning_to_checkpoint(require_mixin(pl_module, self).attnreg_model, checkpoint)
         if self.method.pruned:
             checkpoint[pruning.FOLDED_GATES] = list(self.method.gated_layers)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        module = self.__dict__.get("_module")
-        if self.method.pruned and module is not None:
-            module.remove_attnreg_term(self.method.name)
 
 
 class HeadImportance(MethodCallback):
@@ -137,12 +90,9 @@ class HeadImportance(MethodCallback):
         >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}
         >>> importance = HeadImportance([batch])      # any iterable of batches: a DataLoader, say
         >>> importance.bind(None, tiny_model("bert", head="classification"))
-        >>> importance.on_train_end(None, None)       # what the end of fit does
+        >>> importance.at_end()                       # what the end of fit does
         >>> {layer: tuple(scores.shape) for layer, scores in importance.scores.items()}   # a score per head
         {0: (4,), 1: (4,)}
     """
 
     method_class = Importance
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.method.at_end()

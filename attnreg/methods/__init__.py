@@ -1,6 +1,7 @@
 """Method objects: each attnreg method's settings, state and per-step decisions, with no training
-framework inside. `attnreg.callbacks` (Lightning) and `attnreg.integrations.hf` (the Hugging Face
-`Trainer`) are thin adapters over them.
+framework inside, all answering one protocol of training events (`Method`, `Loop`); `Runner` does for any
+set of them what every adapter needs. `attnreg.callbacks` (Lightning) and `attnreg.integrations.hf` (the
+Hugging Face `Trainer`) are thin adapters over them.
 
 Example:
     >>> from attnreg import methods
@@ -8,16 +9,18 @@ Example:
     >>> kl = methods.PriorKL(heads={0: [3], 1: [4]})
 """
 
-from attnreg.methods.base import Method, free_name
+from attnreg.methods.base import Loop, Method, free_name
 from attnreg.methods.dropout import DropoutSchedule, hidden_dropout_modules
 from attnreg.methods.gating import HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
 from attnreg.methods.importance import HeadImportance
 from attnreg.methods.monitor import EntropyCollapseWarning, Monitor, MonitorCheck
 from attnreg.methods.optim import FreezeLayers, LayerwiseLR
 from attnreg.methods.regularizers import AttentionPenalty, Entropy, LossTerm, PriorKL
+from attnreg.methods.runner import Captured, Runner
 
 __all__ = [
     "AttentionPenalty",
+    "Captured",
     "DropoutSchedule",
     "Entropy",
     "EntropyCollapseWarning",
@@ -27,6 +30,7 @@ __all__ = [
     "HeadImportance",
     "L1Gates",
     "LayerwiseLR",
+    "Loop",
     "LossTerm",
     "Method",
     "Monitor",
@@ -34,6 +38,7 @@ __all__ = [
     "PriorKL",
     "PruningRound",
     "Removal",
+    "Runner",
     "free_name",
     "hidden_dropout_modules",
 ]

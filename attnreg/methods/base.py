@@ -1,15 +1,23 @@
-"""The method object: one attnreg method with its settings, its state, and what it does at each point
-of training, with no training framework inside. Adapters (`attnreg.callbacks` for Lightning,
-`attnreg.integrations.hf` for the Hugging Face `Trainer`) decide *when* to call it.
+"""The method protocol: one attnreg method with its settings, its state, and what it does at each event of
+training, with no training framework inside. A method is a first-class citizen whoever wrote it: the
+adapters (`attnreg.callbacks` for Lightning, `attnreg.integrations.hf` for the Hugging Face `Trainer`) and a
+loop of your own (`attnreg.methods.Runner`) only translate their events into these, and never name a method.
 
-The life of a method, as an adapter drives it:
+The events, each optional (the base class does nothing):
 
 1. `bind(model, taken)`: attach the model's hub, check the settings against it, pick a free name
    (`taken`: names other methods hold), create what must exist before the optimizer (gates).
-2. `start(estimated_steps)`: fix the training length (`attnreg.progress`).
-3. every optimizer step: `before_step(step)` (change the model: a dropout rate), and for loss terms
-   `term(probs, batch, step)` on every micro-batch.
-4. `state_dict()` / `load_state_dict()` with the checkpoint; `unbind()` after training.
+2. `configure_optimizer(model)`: a method that builds the optimizer returns it (and its learning-rate factor per step).
+3. `start(estimated_steps)`, then `on_fit_start(loop)`: the training length is fixed; the optimizer exists.
+4. every optimizer step: `on_step_begin(loop)`; `term(record, batch, step)` on every micro-batch for a
+   method with a loss term (the layers in `layers` are captured, their inputs with `inputs=True`);
+   `on_before_optimizer_step(loop)`; `on_step_end(loop)`.
+5. `on_epoch_begin(loop)`, `on_epoch_end(loop)`; `on_fit_end(loop)` once training is over;
+   `teardown()` in every case (what must not outlive training: dropout rates, `requires_grad`).
+6. `state_dict()` / `load_state_dict()` with every checkpoint; `unbind()` when the adapter lets go.
+
+`loop` (a `Loop`) is what the adapter tells about the run: steps and epochs done, the optimizers, logging,
+stopping, the output folder, and agreement across processes (`broadcast`).
 
 Example:
     >>> import torch
@@ -29,17 +37,62 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from attnreg.hub import AttentionHub, attach
 from attnreg.progress import TrainingLength, changes_over_training
 
 
+def _no_log(figures: Mapping[str, float]) -> None:
+    return None
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _no_stop() -> None:
+    return None
+
+
+@dataclass
+class Loop:
+    """What an adapter tells a method at an event: `step` (optimizer steps done), `epoch` (epochs done),
+    `optimizers`, `batch` (the last training micro-batch, as the model takes it), `output_dir`, the
+    processes (`world_size`, `is_main`, `broadcast`: rank 0's value on every rank), and where figures go:
+    `log` (with the step's training log), `report` (logged at once, as an entry of its own), `figure` (a
+    matplotlib figure, where the logger takes one; None where none does), `stop` (end training after
+    this step).
+
+    Example:
+        >>> loop = Loop(step=3)
+        >>> loop.broadcast({0: [1]}), loop.is_main, loop.optimizers
+        ({0: [1]}, True, [])
+    """
+
+    step: int = 0
+    epoch: int = 0
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    batch: Any = None
+    output_dir: Path | None = None
+    world_size: int = 1
+    is_main: bool = True
+    broadcast: Callable[[Any], Any] = _same
+    log: Callable[[Mapping[str, float]], None] = _no_log
+    report: Callable[[Mapping[str, float]], None] = _no_log
+    figure: Callable[[str, Any], None] | None = None
+    stop: Callable[[], None] = _no_stop
+
+
 class Method:
-    """Base of every method object: its name, its training length and its checkpoint state.
+    """Base of every method object: its name, its training length, its checkpoint state, and the events
+    of training, each a no-op here (see the module docstring).
 
     `name` is the method's name in losses, logs and checkpoints; left at None it is `default_name`,
     or `<default_name>_2`, `_3`, ... when another method holds it, so two methods of one class both act.
@@ -60,6 +113,9 @@ class Method:
 
     default_name = "method"
     needs: frozenset[str] = frozenset()
+    layers: tuple[int, ...] | None = ()  # the layers a loss term reads (captured for it); None: all
+    inputs = False  # the term reads what the layers received (`LayerInputs`), not probabilities
+    batch_keys: tuple[str, ...] = ()  # batch entries the method reads that the model must not receive
 
     def __init__(self, name: str | None = None, total_steps: int | None = None) -> None:
         self.name_argument = name
@@ -79,7 +135,8 @@ class Method:
     # -- life cycle --------------------------------------------------------------------------------------
     def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
         """Attach to `model` (a transformers model) and take a name not in `taken`."""
-        self.model, self.hub = model, attach(model)
+        self.hub = attach(model)
+        self.model = self.hub.model  # the transformers model (inside a PEFT model, say)
         self.name = free_name(self.name_argument, self.default_name, taken, type(self).__name__)
 
     def start(self, estimated_steps: float) -> None:
@@ -99,6 +156,53 @@ class Method:
             RuntimeError: Method 'method' is used before bind(model)
         """
         self.model = self.hub = None
+
+    # -- events (see the module docstring) ------------------------------------------------------------
+    def configure_optimizer(
+        self, model: nn.Module
+    ) -> tuple[torch.optim.Optimizer, Callable[[int], float] | None] | None:
+        """(the optimizer over `model`, its learning-rate factor per optimizer step or None), for a method
+        that builds the optimizer; None for the others."""
+        return None
+
+    def on_fit_start(self, loop: Loop) -> None:
+        """Training starts: the length is fixed and the optimizers exist."""
+
+    def on_step_begin(self, loop: Loop) -> None:
+        """Before optimizer step `loop.step`, once (whatever the gradient accumulation)."""
+
+    def term(self, record: Any, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """(the weighted loss term of a micro-batch, figures to log), or None for a method without one.
+        `record` holds what the hub captured of `layers` in the micro-batch's forward."""
+        return None
+
+    def on_before_optimizer_step(self, loop: Loop) -> None:
+        """The gradients of optimizer step `loop.step` are complete; the optimizer has not stepped."""
+
+    def on_step_end(self, loop: Loop) -> None:
+        """Optimizer step done; `loop.step` counts it."""
+
+    def on_epoch_begin(self, loop: Loop) -> None:
+        """Epoch `loop.epoch` (0-based) begins."""
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        """`loop.epoch` epochs are done."""
+
+    def on_fit_end(self, loop: Loop) -> None:
+        """Training is over (not called when it failed)."""
+
+    def teardown(self) -> None:
+        """After training, whatever happened: undo what must not outlive it (nothing by default)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the loss term still acts (a method may end it: gates folded at the last removal)."""
+        return True
+
+    @property
+    def has_term(self) -> bool:
+        """Whether the method adds a loss term (its class defines `term`)."""
+        return type(self).term is not Method.term
 
     def progress(self, step: int) -> float:
         """Training progress at optimizer step `step` (`attnreg.progress`)."""

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from attnreg.families import Family
-from attnreg.methods.base import Method
+from attnreg.methods.base import Loop, Method
 from attnreg.schedules import Constant, ScheduleLike, as_schedule, schedule_values
 
 
@@ -109,6 +109,7 @@ class DropoutSchedule(Method):
 
     def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
         super().bind(model, taken)
+        model = self.model  # the transformers model (inside a PEFT model, say)
         self.layers = self.hub.resolve_layers(self.layers_argument, "layers")
         modules: list[nn.Dropout] = []
         if self.hidden is not None:
@@ -141,11 +142,18 @@ class DropoutSchedule(Method):
                 module.p = rates[self.hidden_name]
         return rates
 
-    def unbind(self) -> None:
+    def on_step_begin(self, loop: Loop) -> None:
+        loop.log(self.before_step(loop.step))
+
+    def teardown(self) -> None:
+        """The model's own attention and hidden dropout rates come back."""
         if self.hub is not None:
             self.hub.set_attention_dropout(None, self.layers)
             for module, original in zip(self._hidden_modules, self._hidden_original, strict=True):
                 module.p = original
+
+    def unbind(self) -> None:
+        self.teardown()
         self._hidden_modules, self._hidden_original = [], []
         super().unbind()
 

@@ -48,15 +48,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
+from torch.distributed.tensor import DTensor
 
 from attnreg import pruning
 from attnreg.hub import AttentionRecord
-from attnreg.methods.base import Method
+from attnreg.methods.base import Loop, Method
 from attnreg.methods.regularizers import check_weight
 from attnreg.schedules import ScheduleLike, as_schedule
 
 Milestones = Sequence[tuple[float, int]]
+RESCUE_FOLDER = "attnreg-unpruned"  # in the run's output folder: a model whose head removal failed, gated
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,7 @@ class HeadGating(Method):
     # -- life cycle --------------------------------------------------------------------------------------
     def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
         super().bind(model, taken)
+        model = self.model  # the transformers model (inside a PEFT model, say)
         hub = self.hub
         layers = hub.resolve_layers(self.layers_argument, "layers")
         self.gated_layers = tuple(layer for layer in layers if hub.layers[layer].num_heads > 0)
@@ -320,7 +322,10 @@ class HeadGating(Method):
                 )
         if self.pruned:
             return
-        _check_removable(model, hub, self.gated_layers)
+        try:  # what the removal will need, now rather than after training
+            pruning.check_removable(model, self.gated_layers)
+        except TypeError as error:
+            raise TypeError(f"HeadGating: {error}") from None
         for layer in self.gated_layers:
             if isinstance(self.gates, L1Gates):
                 hub.gate(layer)
@@ -366,9 +371,9 @@ class HeadGating(Method):
             return torch.zeros(()), {}
         gates = [self._gate(layer) for layer in self.gated_layers]
         if isinstance(self.gates, L1Gates):
-            values = torch.cat(gates)
+            values = torch.cat([whole(gate) for gate in gates])
             return self.current_weight(step) * values.abs().sum() / (values.numel() if self.gates.normalize else 1), {}
-        expected = torch.cat([gate.expected_l0() for gate in gates])
+        expected = torch.cat([whole(gate.expected_l0()) for gate in gates])
         if not self.lagrangian:
             scale = expected.numel() if self.gates.normalize else 1
             return self.current_weight(step) * expected.sum() / scale, {}
@@ -447,8 +452,10 @@ class HeadGating(Method):
         """Per gated layer, what decides which heads stay: |g|, or the deterministic hard-concrete gate."""
         with torch.no_grad():
             if isinstance(self.gates, L1Gates):
-                return {layer: self._gate(layer).detach().abs().float().cpu() for layer in self.gated_layers}
-            return {layer: self._gate(layer).deterministic().detach().float().cpu() for layer in self.gated_layers}
+                return {layer: whole(self._gate(layer)).detach().abs().float().cpu() for layer in self.gated_layers}
+            return {
+                layer: whole(self._gate(layer).deterministic()).detach().float().cpu() for layer in self.gated_layers
+            }
 
     def choose(self, keep: int | None) -> dict[int, list[int]]:
         """Current positions of the heads to remove: all but the `keep` best, else those below the threshold;
@@ -506,6 +513,42 @@ class HeadGating(Method):
             self.pruned, self.pruned_at_step = True, step
         return self.report
 
+    # -- events ---------------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return not self.pruned
+
+    def on_fit_start(self, loop: Loop) -> None:
+        if loop.world_size > 1 and self.removal.during_training and not self.pruned:
+            raise NotImplementedError(
+                "HeadGating: removing heads during training under several processes is not supported (each "
+                "process's optimizer and gradient buckets keep the old shapes); remove at the end of training "
+                "(Removal without after_steps, after_epochs and milestones)"
+            )
+
+    def on_before_optimizer_step(self, loop: Loop) -> None:
+        self.dual_step()
+
+    def on_step_end(self, loop: Loop) -> None:
+        self.remove_if_due(loop, self.due(loop.step))
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        self.remove_if_due(loop, self.due(loop.step, loop.epoch))
+
+    def on_fit_end(self, loop: Loop) -> None:
+        self.remove_if_due(loop, self.due(loop.step, end=True))
+
+    def remove_if_due(self, loop: Loop, due: tuple[int | None, bool] | None) -> pruning.PruneReport | None:
+        """Remove heads when `due` (from `due`) says so: every process removes rank 0's choice, the
+        optimizers' state sliced along; a failed removal leaves the model gated in
+        `<output_dir>/attnreg-unpruned` (see `prune`)."""
+        if due is None:
+            return None
+        keep, final = due
+        positions = loop.broadcast(self.choose(keep))
+        rescue = Path(loop.output_dir, RESCUE_FOLDER) if loop.is_main and loop.output_dir is not None else None
+        return self.prune(loop.optimizers, loop.step, keep, final, positions, rescue)
+
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -550,25 +593,16 @@ def _load_adam_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) ->
     }
 
 
-def _check_removable(model: nn.Module, hub: Any, layers: Sequence[int]) -> None:
-    """Refuse, when the method binds, gated layers whose projections head removal cannot slice (it slices
-    `nn.Linear` and GPT-2's `Conv1D`), rather than fail after training."""
-    family = hub.family
-    names = [
-        f"{family.attention}.{name}" for name in (family.query, family.key, family.value, family.fused_qkv) if name
-    ]
-    for layer in layers:
-        block = family.blocks(model)[layer]
-        for name in [*names, family.out_proj]:
-            module = block.get_submodule(name)
-            if type(module) not in (nn.Linear, Conv1D):
-                raise TypeError(
-                    f"HeadGating: heads of layer {layer} could not be removed after training: "
-                    f"{family.module_path(model, layer, name)} is a {type(module).__name__}, and head removal "
-                    "slices nn.Linear and Conv1D projections only "
-                    f"({type(model).__name__}). Gate the heads of a model without wrapped projections (merge a "
-                    "PEFT adapter first), or score heads with HeadImportance."
-                )
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A gate sharded by FSDP2 (a `DTensor`) as one full tensor, differentiably (an all-gather whose backward
+    reduce-scatters), so that the penalty reads every head; any other tensor as it is.
+
+    Example:
+        >>> gate = torch.ones(4)
+        >>> whole(gate) is gate
+        True
+    """
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _changing(progress: float) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from attnreg import pruning
-from attnreg.methods.base import Method
+from attnreg.methods.base import Loop, Method
 
 
 class HeadImportance(Method):
@@ -61,6 +61,9 @@ class HeadImportance(Method):
 
     def identity(self) -> dict[str, Any]:
         return {"fraction": self.fraction, "stop_ratio": self.stop_ratio}
+
+    def on_fit_end(self, loop: Loop) -> None:
+        self.at_end()
 
     def at_end(self) -> None:
         """Score the heads (and prune iteratively, given `metric_fn`); call once training is over."""

@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from attnreg.analysis.runner import MODEL_INPUTS, parent_accuracy
 from attnreg.losses import attention_entropy
-from attnreg.methods.base import Method
+from attnreg.methods.base import Loop, Method
 from attnreg.pruning import head_numbers, pruned_heads
 from attnreg.syntax.trees import Sentence
 
@@ -155,6 +155,36 @@ class Monitor(Method):
         """Whether to check after optimizer step `step`."""
         return step % self.every_n_steps == 0 and step != self._last_step
 
+    def on_step_end(self, loop: Loop) -> None:
+        """Every `every_n_steps` optimizer steps, on the step's last training batch: the metrics go to the
+        log at once, a heatmap grid where the logger takes figures, and `on_collapse="stop"` stops."""
+        if loop.batch is not None and self.due(loop.step):
+            self.measure(loop)
+
+    def measure(self, loop: Loop) -> MonitorCheck:
+        """Check now, on `loop.batch`: the metrics go to `loop.report`, the heatmaps to `loop.figure`, and a
+        collapse with `on_collapse="stop"` to `loop.stop`."""
+        result = self.check(loop.batch, loop.step)
+        loop.report(result.metrics)
+        if self.heatmaps and loop.figure is not None:
+            self._heatmaps(loop, result)
+        if result.stop:
+            loop.stop()
+        return result
+
+    def _heatmaps(self, loop: Loop, result: MonitorCheck) -> None:
+        try:
+            from attnreg.plots import attention_grid
+
+            length = int(result.mask[0].sum()) if result.mask is not None else None
+            figure = attention_grid(result.probs, length=length, title=f"attention at step {loop.step}")
+        except ImportError as error:
+            if not self.__dict__.get("_warned_heatmaps"):
+                warnings.warn(f"{type(self).__name__}: no heatmaps ({error})", stacklevel=2)
+                self._warned_heatmaps = True
+            return
+        loop.figure(f"{self.prefix}/attention", figure)
+
     def check(self, batch: Mapping[str, Any], step: int) -> MonitorCheck:
         """Measure and flag now, on `batch` (a dict with `input_ids` and `attention_mask`)."""
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
@@ -174,7 +204,9 @@ class Monitor(Method):
             width = max(len(numbers[layer]) + len(removed.get(layer, ())) for layer in numbers)
             entropy = torch.full((hub.num_layers, width), torch.nan)  # pruned heads stay NaN
             for layer in probs:
-                values = attention_entropy(probs[layer], mask, hub.family.causal, normalize=True)
+                values = attention_entropy(
+                    probs[layer], mask, hub.family.causal, True, layer_mask=probs.attention_mask(layer)
+                )
                 entropy[layer, numbers[layer]] = values.float().cpu()
             metrics = self._entropy_metrics(entropy)
             if self.gold_sentences:

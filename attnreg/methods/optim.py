@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from attnreg.methods.base import Method
+from attnreg.methods.base import Loop, Method
 from attnreg.optim import (
     LayerKey,
+    check_multipliers,
     electra_layer_factors,
     layerwise_param_groups,
     parameters_by_layer,
@@ -78,6 +79,9 @@ class LayerwiseLR(Method):
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
         if decay is not None:
             electra_layer_factors(0, decay)  # checks decay now rather than at fit time
+        check_multipliers(multipliers)  # and the multipliers' form and values (the layers exist: at bind)
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float) or not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         super().__init__(None, total_steps)
         self.group_options = dict(
             lr=lr, decay=decay, multipliers=multipliers, freeze=freeze, weight_decay=weight_decay, no_decay=no_decay
@@ -96,6 +100,10 @@ class LayerwiseLR(Method):
     def factor(self, step: int) -> float:
         """The learning-rate factor at optimizer step `step` (1 without a schedule)."""
         return 1.0 if self.schedule is None else float(self.schedule(self.progress(step)))
+
+    def configure_optimizer(self, model: nn.Module) -> tuple[Optimizer, Callable[[int], float] | None]:
+        """The event: this method builds the optimizer (and, with a schedule, its learning-rate factor)."""
+        return self.build_optimizer(model), None if self.schedule is None else self.factor
 
 
 def optimizer_factory(optimizer: str | Callable[..., Optimizer]) -> Callable[..., Optimizer]:
@@ -158,6 +166,7 @@ class FreezeLayers(Method):
 
     def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
         super().bind(model, taken)
+        model = self.model  # the transformers model (inside a PEFT model, say)
         layers = parameters_by_layer(model)
         names = resolve_layer_groups(self.groups, list(layers), "groups")
         self._params = [param for name in dict.fromkeys(names) for _, param in layers[name]]
@@ -179,8 +188,18 @@ class FreezeLayers(Method):
         for param, original in zip(self._params, self._original, strict=True):
             param.requires_grad_(original and not frozen)
 
-    def unbind(self) -> None:
+    def on_fit_start(self, loop: Loop) -> None:
+        self.check_optimizer(loop.optimizers)
+
+    def on_epoch_begin(self, loop: Loop) -> None:
+        self.before_epoch(loop.epoch)
+
+    def teardown(self) -> None:
+        """Every parameter's `requires_grad` comes back."""
         for param, original in zip(self._params, self._original, strict=True):
             param.requires_grad_(original)
+
+    def unbind(self) -> None:
+        self.teardown()
         self._params, self._original = [], []
         super().unbind()

@@ -71,10 +71,11 @@ class LossTerm(Method):
         self.weight = weight
         self.schedule = as_schedule(check_weight(weight, type(self).__name__) if not callable(weight) else weight)
         self.heads: dict[int, list[int]] | list[int] | None = None
+        self._layers_from_heads = False  # layers=None with a {layer: heads} map: the map names the layers
         if isinstance(heads, Mapping):
             self.heads = {int(layer): list(chosen) for layer, chosen in heads.items()}
             if self.layers is None:
-                self.layers = list(self.heads)
+                self.layers, self._layers_from_heads = list(self.heads), True
         elif heads is not None:
             self.heads = list(heads)
         self.causal = False
@@ -92,6 +93,13 @@ class LossTerm(Method):
 
     def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
         super().bind(model, taken)
+        model = self.model  # the transformers model (inside a PEFT model, say)
+        count = self.hub.num_layers
+        if self._layers_from_heads and any(not 0 <= layer < count for layer in self.layers):
+            raise IndexError(
+                f"{type(self).__name__}: heads={self.heads} names layers out of range: "
+                f"{type(self.hub.model).__name__} has {count} attention layers (0 to {count - 1})"
+            )
         self.layers = self.hub.resolve_layers(self.layers, "layers")
         self.causal = self.hub.family.causal
         if isinstance(self.heads, dict) and set(self.heads) != set(self.layers):
@@ -157,10 +165,12 @@ class LossTerm(Method):
         if (layer, head) in self._reported:
             return
         self._reported.add((layer, head))
-        what = f"layer {layer} has none of its chosen heads left" if head is None else f"head {head} of layer {layer}"
-        warnings.warn(
-            f"{type(self).__name__} {self.name!r}: {what} was pruned, so the term no longer covers it", stacklevel=3
+        what = (
+            f"every chosen head of layer {layer} was pruned, so the term no longer covers the layer"
+            if head is None
+            else f"head {head} of layer {layer} was pruned, so the term no longer covers it"
         )
+        warnings.warn(f"{type(self).__name__} {self.name!r}: {what}", stacklevel=3)
 
 
 class AttentionPenalty(LossTerm):
@@ -257,7 +267,9 @@ class Entropy(LossTerm):
                 captured = self.captured(probs, layer)
                 entropies.append(blockwise.attention_entropy(captured, mask, self.causal, self.normalize, heads))
                 continue
-            entropy = attention_entropy(self.captured(probs, layer), mask, causal=self.causal, normalize=self.normalize)
+            captured = self.captured(probs, layer)  # the layer's own mask counts its keys (sliding windows)
+            layer_mask = probs.attention_mask(layer) if isinstance(probs, AttentionRecord) else None
+            entropy = attention_entropy(captured, mask, self.causal, self.normalize, layer_mask)
             entropies.append(entropy if heads is None else entropy[heads])
         if not entropies:
             return torch.zeros((), device=next(self.model.parameters()).device), {}
@@ -300,6 +312,7 @@ class PriorKL(LossTerm):
             raise ValueError(f"head_reduction must be 'mean_heads' or 'mean_attention', got {head_reduction!r}")
         super().__init__(name, layers, weight, heads)
         self.head_reduction, self.prior_key = head_reduction, prior_key
+        self.batch_keys = (prior_key,)
         self.inputs = blockwise
 
     def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

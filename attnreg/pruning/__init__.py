@@ -47,7 +47,7 @@ from attnreg.pruning.record import (
     to_original_numbers,
 )
 from attnreg.pruning.saving import SPEC_FILE, load_pruned, restore_saved_pruning, save_pruned, write_spec
-from attnreg.pruning.surgery import SILENCE, count_parameters, prune_heads, silence_heads
+from attnreg.pruning.surgery import SILENCE, check_removable, count_parameters, prune_heads, silence_heads
 
 __all__ = [
     "FOLDED_GATES",
@@ -62,6 +62,7 @@ __all__ = [
     "PruningStep",
     "SlicedTensor",
     "add_pruning_to_checkpoint",
+    "check_removable",
     "count_parameters",
     "drop_from_optimizer",
     "fold_gates",

