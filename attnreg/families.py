@@ -468,6 +468,11 @@ def lora_factors(projection: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """
     first, second = getattr(projection, "lora_A", None), getattr(projection, "lora_B", None)
     if not isinstance(first, nn.ModuleDict) or not isinstance(second, nn.ModuleDict):
+        if base_layer(projection) is not projection:  # another PEFT tuner (IA3, LoHa, ...): its path is not known
+            raise NotImplementedError(
+                f"{type(projection).__module__}.{type(projection).__qualname__} wraps a projection with an adapter "
+                "attnreg cannot scale or slice (it handles LoRA's lora_A and lora_B); merge the adapter first"
+            )
         return []
     magnitudes = getattr(projection, "lora_magnitude_vector", None)
     if magnitudes is not None and len(magnitudes) > 0:

@@ -36,6 +36,7 @@ from attnreg.families import (
     Family,
     UnsupportedModelError,
     detect_family,
+    lora_factors,
     out_features,
     scale_input_columns,
     scale_output_rows,
@@ -817,6 +818,11 @@ def detach(model: nn.Module) -> None:
     model, family = hub.model, hub.family
     _follow_projections(hub)
     _check_temperatures_fold(hub)
+    for layer in range(hub.num_layers):  # an adapter whose weights cannot take a fold: refused before any change
+        lora_factors(family.out_projection(model, layer))
+        if getattr(hub.attention(layer), TEMPERATURE, None) is not None:
+            attention = hub.attention(layer)
+            lora_factors(attention.get_submodule(family.query or family.fused_qkv))
     for layer in range(hub.num_layers):
         hub.remove_gate(layer)
         projection = family.out_projection(model, layer)

@@ -121,3 +121,17 @@ def test_dora_is_refused_where_its_weights_would_be_scaled():
     set_gates(hub, {0: [1.0, 0.5, 1.0, 1.0]})
     with pytest.raises(NotImplementedError, match="uses DoRA"):
         attnreg.detach(copy.deepcopy(model))
+
+
+def test_another_tuner_is_refused_where_its_weights_would_be_scaled():
+    config = peft.IA3Config(target_modules=["o_proj"], feedforward_modules=[])
+    model = peft.get_peft_model(tiny_model("llama", head="causal_lm"), config)
+    hub = attnreg.attach(model)
+    set_gates(hub, {0: [1.0, 0.5, 1.0, 1.0], 1: [1.0, 1.0, 0.0, 1.0]})
+    model.get_base_model().model.layers[0].self_attn.o_proj = (
+        model.get_base_model().model.layers[0].self_attn.o_proj.base_layer
+    )
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(NotImplementedError, match=r"peft\.tuners\.ia3\.layer\.Linear wraps a projection"):
+        attnreg.detach(model)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
