@@ -70,8 +70,10 @@ def row_entropy(
     temperature: torch.Tensor | None = None,
     causal: bool = False,
     block_size: int = BLOCK_SIZE,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Entropy (nats) of every attention row of `heads` (None = all): `[B, len(heads), T]`, in float32.
+    """Entropy (nats) of every attention row of `heads` (None = all): `[B, len(heads), T]`, in float32;
+    `softcap` caps the logits first, as Gemma 2 does.
 
     Each block runs in `_BlockEntropy`, whose backward recomputes the block's scores and writes the
     gradient out, `dH/ds_ij = -p_ij (log p_ij + H_i)`, from the row statistics kept by forward.
@@ -81,8 +83,8 @@ def row_entropy(
         >>> row_entropy(query, key, None, scaling=0.5, causal=True)[0, 0, 0].item()   # one key: 0 nats
         0.0
     """
-    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size)
-    return torch.cat([_BlockEntropy.apply(*block[:6]) for block in blocks], dim=-1)
+    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap)
+    return torch.cat([_BlockEntropy.apply(*block[:7]) for block in blocks], dim=-1)
 
 
 def prior_cross_entropy(
@@ -96,6 +98,7 @@ def prior_cross_entropy(
     causal: bool = False,
     block_size: int = BLOCK_SIZE,
     mean_attention: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`-sum_j r_ij log p_ij` for every row: `[B, len(heads), T]` (`[B, 1, T]` with `mean_attention`, where
     `p` is the heads' mean attention), float32. `prior`: key indices `[B, T]` (-1: row left out, reads 0)
@@ -111,12 +114,12 @@ def prior_cross_entropy(
         >>> prior_cross_entropy(query, key, None, parents, 0.5, heads=[1], causal=True)[0, 0, [0, 3]]
         tensor([0., 0.])
     """
-    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size)
+    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap)
     if prior.dim() == 2 and not mean_attention:
-        return torch.cat([_BlockParentNLL.apply(*block[:6], prior[:, block.rows]) for block in blocks], dim=-1)
+        return torch.cat([_BlockParentNLL.apply(*block[:7], prior[:, block.rows]) for block in blocks], dim=-1)
 
     def cross_entropy(block: _Block) -> torch.Tensor:
-        scores = _scores(block.query, block.key, block.mask, block.causal_rows, block.scaling)
+        scores = _scores(block.query, block.key, block.mask, block.causal_rows, block.scaling, block.softcap)
         rows, seen = block.rows, block.key.shape[2]
         if mean_attention:
             log_p = torch.softmax(scores, dim=-1).mean(1, keepdim=True).clamp_min(_TINY).log()
@@ -171,6 +174,7 @@ def attention_entropy(
         heads,
         causal=inputs.causal,
         block_size=block_size,
+        softcap=inputs.softcap,
     )
     layer_mask = inputs.attention_mask
     if layer_mask is not None and layer_mask.dim() == 4 and layer_mask.shape[1] > 1 and heads is not None:
@@ -215,6 +219,7 @@ def prior_kl(
         causal=inputs.causal,
         block_size=block_size,
         mean_attention=reduction == "mean_attention",
+        softcap=inputs.softcap,
     )
     return kl_from_cross_entropy(cross_entropy, prior)
 
@@ -222,7 +227,7 @@ def prior_kl(
 class _Block(NamedTuple):
     """One block of query rows (divided by the temperature, if any), the keys those rows may see (a causal
     layer's block stops at its last row's key), their mask rows, for a causal layer `(first row, key
-    offset)` to mask later keys with, the layer's key count S and the scaling."""
+    offset)` to mask later keys with, the layer's key count S, the scaling and the logit softcap (Gemma 2)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -230,6 +235,7 @@ class _Block(NamedTuple):
     causal_rows: tuple[int, int] | None
     keys: int
     scaling: float
+    softcap: float | None
     rows: slice
 
 
@@ -242,6 +248,7 @@ def _blocks(
     temperature: torch.Tensor | None,
     causal: bool,
     block_size: int,
+    softcap: float | None = None,
 ) -> list[_Block]:
     """The chosen heads of a layer in blocks of `block_size` queries."""
     if block_size < 1:
@@ -267,7 +274,7 @@ def _blocks(
         if attention_mask is not None:
             mask = attention_mask[..., rows, :seen] if attention_mask.shape[-2] > 1 else attention_mask[..., :seen]
         causal_rows = (start, keys - queries) if causal and queries > 1 else None
-        blocks.append(_Block(query[:, :, rows], key[:, :, :seen], mask, causal_rows, keys, scaling, rows))
+        blocks.append(_Block(query[:, :, rows], key[:, :, :seen], mask, causal_rows, keys, scaling, softcap, rows))
     return blocks
 
 
@@ -277,10 +284,14 @@ def _scores(
     mask: torch.Tensor | None,
     causal_rows: tuple[int, int] | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A block's masked scores `[B, h, rows, S']` in float32, masked keys at float32's minimum: those
-    `mask` masks and, for a causal block, those after each row's own position."""
+    `mask` masks and, for a causal block, those after each row's own position; with `softcap`, capped first
+    (`softcap * tanh(s / softcap)`, as Gemma 2 does before its mask)."""
     scores = torch.matmul(query * scaling, key.transpose(-1, -2)).float()  # scaling the small operand
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # not in place: tanh keeps its output for backward
     later = None
     if causal_rows is not None:
         first, offset = causal_rows
@@ -297,15 +308,23 @@ def _scores(
 
 def _probabilities(ctx, query, key, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """A block's scores and softmax, recomputed in backward from its inputs."""
-    causal_rows, _, scaling = ctx.block
-    scores = _scores(query, key, mask, causal_rows, scaling)
+    causal_rows, _, scaling, softcap = ctx.block
+    scores = _scores(query, key, mask, causal_rows, scaling, softcap)
     return scores, torch.softmax(scores, dim=-1)
+
+
+def _cap_gradient(ctx, scores: torch.Tensor) -> torch.Tensor | None:
+    """d capped / d raw score, `1 - (s / softcap)^2`, where a softcap is set (0 on masked keys); else None."""
+    softcap = ctx.block[3]
+    if softcap is None:
+        return None
+    return torch.where(scores > _MIN, 1 - (scores / softcap).square(), 0.0)
 
 
 def _key_gradients(ctx, dscores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The gradients of `query` and `key` from those of the block's scores (the scaling applied to the
     small products), and None for the other arguments."""
-    dscores, scaling = dscores.to(query.dtype), ctx.block[-1]
+    dscores, scaling = dscores.to(query.dtype), ctx.block[2]
     dquery, dkey = (dscores @ key).mul_(scaling), (dscores.transpose(-1, -2) @ query).mul_(scaling)
     return dquery, dkey, *[None] * (ctx.arguments - 2)
 
@@ -321,8 +340,8 @@ class _BlockEntropy(torch.autograd.Function):
     row's scores gives NaN, as on the materialized path."""
 
     @staticmethod
-    def forward(ctx, query, key, mask, causal_rows, keys, scaling):
-        scores = _scores(query, key, mask, causal_rows, scaling)
+    def forward(ctx, query, key, mask, causal_rows, keys, scaling, softcap):
+        scores = _scores(query, key, mask, causal_rows, scaling, softcap)
         top = scores.amax(-1, keepdim=True)
         p = torch.softmax(scores, dim=-1)
         with torch.autocast(scores.device.type, enabled=False):  # in float32: bf16 reads the minimum as -inf
@@ -332,15 +351,16 @@ class _BlockEntropy(torch.autograd.Function):
         entropy = torch.where(alive, entropy, math.log(keys))
         mean_score = torch.where(alive, mean_score, 0.0)  # all keys masked: s - 0 stays finite (no inf - inf)
         ctx.save_for_backward(query, key, mask, mean_score, alive)
-        ctx.block, ctx.arguments = (causal_rows, keys, scaling), 6
+        ctx.block, ctx.arguments = (causal_rows, keys, scaling, softcap), 7
         return entropy.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
         query, key, mask, mean_score, alive = ctx.saved_tensors
         scores, p = _probabilities(ctx, query, key, mask)
+        cap = _cap_gradient(ctx, scores)
         dscores = scores.sub_(mean_score).mul_(p).mul_(grad.unsqueeze(-1).neg() * alive)
-        return _key_gradients(ctx, dscores, query, key)
+        return _key_gradients(ctx, dscores if cap is None else dscores.mul_(cap), query, key)
 
 
 class _BlockParentNLL(torch.autograd.Function):
@@ -350,8 +370,8 @@ class _BlockParentNLL(torch.autograd.Function):
     clamped, from the recomputed softmax."""
 
     @staticmethod
-    def forward(ctx, query, key, mask, causal_rows, keys, scaling, parents):
-        scores = _scores(query, key, mask, causal_rows, scaling)
+    def forward(ctx, query, key, mask, causal_rows, keys, scaling, softcap, parents):
+        scores = _scores(query, key, mask, causal_rows, scaling, softcap)
         alive = scores.amax(-1, keepdim=True) != _MIN  # as in _BlockEntropy: NaN is not hidden
         p = torch.softmax(scores, dim=-1)
         seen = p.shape[-1]
@@ -361,16 +381,17 @@ class _BlockParentNLL(torch.autograd.Function):
         live = counted & alive & (chosen >= _TINY)
         nll = torch.where(alive, chosen.clamp_min(_TINY).log().neg(), math.log(keys)) * counted
         ctx.save_for_backward(query, key, mask, index, live)
-        ctx.block, ctx.arguments = (causal_rows, keys, scaling), 7
+        ctx.block, ctx.arguments = (causal_rows, keys, scaling, softcap), 8
         return nll.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
         query, key, mask, index, live = ctx.saved_tensors
         grad = grad.unsqueeze(-1) * live
-        _, p = _probabilities(ctx, query, key, mask)
+        scores, p = _probabilities(ctx, query, key, mask)
+        cap = _cap_gradient(ctx, scores)
         dscores = p.mul_(grad).scatter_add_(-1, index, -grad)
-        return _key_gradients(ctx, dscores, query, key)
+        return _key_gradients(ctx, dscores if cap is None else dscores.mul_(cap), query, key)
 
 
 _MIN = torch.finfo(torch.float32).min

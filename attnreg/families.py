@@ -11,7 +11,7 @@ Example:
     >>> [family.name for family in FAMILIES]  # doctest: +NORMALIZE_WHITESPACE
     ['bert', 'roberta', 'xlm-roberta', 'electra', 'distilbert', 'modernbert', 'gpt2', 'llama', 'qwen2', 'mistral',
      'mixtral', 'granite', 'phi3', 'qwen3', 'qwen3_moe', 'smollm3', 'cohere2', 'cohere', 'stablelm', 'olmo2', 'olmo3',
-     'phi', 'gptj', 'gpt_neox', 'gemma3_text', 'gemma3']
+     'phi', 'gptj', 'gpt_neox', 'gemma2', 'gemma3_text', 'gemma3']
 """
 
 from __future__ import annotations
@@ -325,6 +325,7 @@ FAMILIES: tuple[Family, ...] = (
         dropout_attr="attention_dropout",
         causal=True,
     ),
+    Family(name="gemma2", model_types=("gemma2",), **_LLAMA_LIKE),  # tanh-capped logits: the hub's softcap
     Family(name="gemma3_text", model_types=("gemma3_text",), query_norm="q_norm", query_norm_offset=1.0, **_LLAMA_LIKE),
     Family(  # the text stack of the image-text model; its vision tower's attention runs on SDPA untouched
         name="gemma3",
@@ -340,8 +341,6 @@ REFUSED: dict[str, str] = {
     "deberta-v2": _NO_INTERFACE + ": DeBERTa's disentangled attention adds position terms of its own",
     "falcon": "its fused query_key_value has three layouts (interleaved per head, multi-query, and grouped per "
     "key/value head in the new decoder architecture), which the family table cannot express yet",
-    "gemma2": "it caps attention logits with tanh (the softcap keyword), which the hub's capture, blockwise losses "
-    "and SDPA hand-off do not implement",
     "gpt_oss": "each head has a learned sink logit in the softmax denominator (the s_aux keyword), which the hub's "
     "capture, blockwise losses and SDPA hand-off do not implement",
     "qwen3_5_text": "attention runs on some layers only (the others are linear attention), which the family table "

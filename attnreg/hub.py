@@ -115,6 +115,7 @@ class LayerInputs:
     attention_mask: torch.Tensor | None
     scaling: float
     causal: bool
+    softcap: float | None = None
 
     @property
     def requires_grad(self) -> bool:
@@ -234,18 +235,29 @@ def attention_forward(
         >>> plain, none = attention_forward(hub.attention(1), query, key, value, None)
         >>> captured.shape, weights is probs[0], none, torch.allclose(captured, plain, atol=1e-6)
         (torch.Size([1, 3, 4, 8]), True, None, True)
-        >>> attention_forward(hub.attention(1), query, key, value, None, softcap=50.0)  # doctest: +ELLIPSIS
+        >>> attention_forward(hub.attention(1), query, key, value, None, s_aux=torch.zeros(4))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        NotImplementedError: attnreg's attention function received keyword argument(s) ['softcap'] from \
+        NotImplementedError: attnreg's attention function received keyword argument(s) ['s_aux'] from \
 BertSelfAttention (model_type='bert'), which it does not implement: ...
     """
+    softcap = kwargs.pop("softcap", None)  # Gemma 2's tanh cap of the logits: implemented on every path
     if kwargs.keys() - IGNORED_KWARGS:
         _check_kwargs(module, kwargs)
     state: _LayerState | None = getattr(module, _STATE_ATTR, None)
     if state is None:  # an attention module the hub does not track (cross-attention, say)
+        capped = {} if softcap is None else {"softcap": softcap}  # SDPA refuses it, as without attnreg
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **capped,
+            **kwargs,
         )
     if module.training and state.dropout is not None:
         dropout = state.dropout
@@ -257,18 +269,18 @@ BertSelfAttention (model_type='bert'), which it does not implement: ...
     if state.records and len(probs_records) < len(state.records):
         causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
         scaled = query if temperature is None else query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
-        inputs = LayerInputs(scaled, key, attention_mask, scaling, causal)
+        inputs = LayerInputs(scaled, key, attention_mask, scaling, causal, softcap)
         for record in state.records:
             if record.inputs:
                 record._add(state, inputs)
-    if not probs_records and not replay:
+    if not probs_records and not replay and softcap is None:  # SDPA has no softcap: those layers run as eager
         if temperature is not None:
             query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-    probs = attention_probabilities(query, key, attention_mask, scaling, temperature, causal)
+    probs = attention_probabilities(query, key, attention_mask, scaling, temperature, causal, softcap)
     if replay:
         state.pending_recomputes -= 1
     else:
@@ -309,7 +321,7 @@ IGNORED_KWARGS = frozenset(
 )
 """Keyword arguments an attention function may receive and ignore: every path of the hub (SDPA hand-off,
 capture, blockwise inputs) computes what eager attention computes without them. Any other keyword with a
-value (`softcap`, `s_aux`, `position_bias`, a typo) is refused by `attention_forward`, naming it."""
+value (`s_aux`, `position_bias`, a typo) is refused by `attention_forward`, naming it."""
 
 
 def _check_kwargs(module: nn.Module, kwargs: dict) -> None:
@@ -338,6 +350,7 @@ def attention_probabilities(
     scaling: float,
     temperature: torch.Tensor | None = None,
     causal: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention `[B, H, T, S]` as eager attention computes it, before dropout.
 
@@ -351,7 +364,7 @@ def attention_probabilities(
                 [0.5000, 0.5000, 0.0000],
                 [0.3333, 0.3333, 0.3333]])
     """
-    scores = attention_scores(query, key, attention_mask, scaling, temperature, causal)
+    scores = attention_scores(query, key, attention_mask, scaling, temperature, causal, softcap)
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
 
 
@@ -362,6 +375,7 @@ def attention_scores(
     scaling: float,
     temperature: torch.Tensor | None = None,
     causal: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Masked attention logits `[B, H, T, S]` (masked keys at the dtype's minimum): what the softmax of
     `attention_probabilities` takes. Arguments as there.
@@ -381,6 +395,8 @@ def attention_scores(
     scores = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
     if temperature is not None:
         scores.div_(temperature.to(scores.dtype).reshape(-1, 1, 1))
+    if softcap is not None:  # Gemma 2: logits capped with tanh before the mask
+        scores = torch.tanh(scores / softcap) * softcap  # not in place: tanh keeps its output for backward
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores.masked_fill_(attention_mask.logical_not(), torch.finfo(scores.dtype).min)

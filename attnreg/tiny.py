@@ -22,6 +22,7 @@ from transformers import (
     CohereConfig,
     DistilBertConfig,
     ElectraConfig,
+    Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
     GPT2Config,
@@ -229,6 +230,15 @@ def tiny_config(
             eoi_token_index=vocab - 2,
             image_token_index=vocab - 1,
         ),
+        "gemma2": lambda: Gemma2Config(  # softcap 1.0 on the logits: small enough that capping changes them
+            **llama_like,
+            head_dim=hidden // heads,
+            query_pre_attn_scalar=hidden // heads,
+            sliding_window=positions,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=None,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        ),
         "gemma3_text": lambda: Gemma3TextConfig(
             **llama_like,
             head_dim=hidden // heads,
@@ -247,15 +257,30 @@ def tiny_config(
 
 def tiny_model(family: str, head: str = "base", seed: int = 0, **sizes: Any) -> PreTrainedModel:
     """A randomly initialised model of `family` with the given `head` ("base", "classification",
-    "causal_lm"), using SDPA attention. Like any model built from a config it starts in train mode.
+    "causal_lm"), using SDPA attention (eager for a family without it, Gemma 2). Like any model built from a
+    config it starts in train mode.
 
     Example:
         >>> model = tiny_model("roberta", head="classification")
         >>> type(model).__name__, model.training, model.config._attn_implementation
         ('RobertaForSequenceClassification', True, 'sdpa')
     """
+    return model_from_config(tiny_config(family, **sizes), head, seed)
+
+
+def model_from_config(config: PretrainedConfig, head: str = "base", seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised model of `config` with the given `head`, on SDPA where the model class has it,
+    else eager (Gemma 2).
+
+    Example:
+        >>> model_from_config(tiny_config("gemma2"), head="causal_lm").config._attn_implementation
+        'eager'
+    """
     if head not in HEADS:
         raise ValueError(f"head={head!r} is not one of {sorted(HEADS)}")
     torch.manual_seed(seed)
-    model = HEADS[head].from_config(tiny_config(family, **sizes), attn_implementation="sdpa")
-    return model
+    try:
+        return HEADS[head].from_config(config, attn_implementation="sdpa")
+    except ValueError:  # "does not support ... scaled_dot_product_attention yet"
+        torch.manual_seed(seed)
+        return HEADS[head].from_config(config, attn_implementation="eager")
