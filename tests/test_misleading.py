@@ -40,7 +40,11 @@ from attnreg.train import format_summary, train
 # fails `test_config_comments_show_overrides_only_as_command_lines`, so none escapes the composition test.
 COMMAND = re.compile(r"#\s+attnreg-train\s(?P<overrides>.*)$")
 DOTTED = re.compile(r"(?<![\w.'])(?:attnreg|data|trainer|model|module|hydra|checkpoint|logger)\.[\w.]+=")
-PLUGINS = {"launcher=slurm": "hydra_plugins.hydra_submitit_launcher"}
+PLUGINS = {
+    "launcher=slurm": "hydra_plugins.hydra_submitit_launcher",
+    "launcher=local": "hydra_plugins.hydra_submitit_launcher",
+    "launcher=joblib": "hydra_plugins.hydra_joblib_launcher",
+}
 DOCS = CONFIG_DIR.parents[1] / "docs"
 DOCS_COMMAND = re.compile(r"^\s*attnreg-train(?P<overrides>(\s.*)?)$")
 

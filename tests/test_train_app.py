@@ -451,3 +451,22 @@ def test_cola_preset_ramps_the_prior_weight_in_over_the_first_half():
     assert cfg.trainer.max_epochs == 2
     swept = instantiate(composed("experiment=cola_minilm", "attnreg.syntax_kl.weight=0.1").attnreg.syntax_kl)
     assert swept.schedule(0.25) == pytest.approx(0.1)  # a sweep may still set a plain number
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "launcher, plugin",
+    [("joblib", "hydra_plugins.hydra_joblib_launcher"), ("local", "hydra_plugins.hydra_submitit_launcher")],
+)
+def test_a_sweep_through_a_launcher_and_the_collector(tmp_path, launcher, plugin):
+    """Two jobs of a multirun in processes of a launcher (joblib's, or submitit's local executor as on a
+    cluster): both finish and `attnreg-collect` reads their folders."""
+    if importlib.util.find_spec(plugin) is None:
+        pytest.skip(f"{plugin} is not installed (pip install -e '.[sweep]')")
+    overrides = ["-m", f"launcher={launcher}", "attnreg.syntax_kl.weight=0,1", *SMALL, *QUIET, "trainer.max_epochs=1"]
+    result = run_app(*overrides, f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = load_runs(tmp_path)
+    assert sorted(run["overrides"]["attnreg.syntax_kl.weight"] for run in runs) == ["0", "1"]
+    assert [group["runs"] for group in collect(runs)["groups"]] == [1, 1]
