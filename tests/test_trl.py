@@ -3,7 +3,6 @@ on): every term is logged and changes the adapter's weights against the same run
 covers the words of a chat-formatted text and no template token; heads removed at the end leave a model that
 saves, reloads and generates like the gated one."""
 
-import copy
 import tempfile
 
 import pytest
@@ -128,7 +127,6 @@ def test_sft_trainer_with_lora_runs_every_method(tmp_path):
         torch.testing.assert_close(loaded(prompt).logits, merged(prompt).logits, rtol=0, atol=1e-6)
         expected = merged.generate(prompt, max_new_tokens=5, do_sample=False)
         assert torch.equal(loaded.generate(prompt, max_new_tokens=5, do_sample=False), expected)
-    assert copy.deepcopy(loaded) is not None
 
 
 def test_reentrant_checkpointing_is_refused_with_terms(tmp_path):

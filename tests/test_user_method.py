@@ -6,10 +6,11 @@ import pytest
 import torch
 from conftest import Classifier, sgd_arguments
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer
 
 import attnreg
-from attnreg.integrations.hf import AttnRegTrainer
-from attnreg.methods import Loop, Method, Runner
+from attnreg.integrations.hf import AttnRegTrainer, with_attnreg
+from attnreg.methods import Entropy, Loop, Method, Runner
 from attnreg.tiny import tiny_model
 
 STEPS, BATCH, LR = 3, 4, 0.5
@@ -128,3 +129,28 @@ def test_a_method_of_ones_own_is_refused_where_it_cannot_run():
         attnreg.MethodCallback(object())
     with pytest.raises(TypeError, match="must be attnreg.methods.Method objects"):
         Runner([lambda probs, batch: 0])
+
+
+def test_a_subclass_no_grad_forward_inside_the_step_is_not_captured(tmp_path):
+    """A Trainer subclass whose loss runs an extra forward under no_grad (TRL's metrics pass, say): the terms
+    read the training forward only, and the run ends where the run without that pass ends."""
+
+    class Metrics(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            with torch.no_grad():
+                model(input_ids=inputs["input_ids"])  # a metrics pass, after the training forward
+            return loss
+
+    weights = []
+    for trainer_class in (Trainer, Metrics):
+        trainer = with_attnreg(trainer_class)(
+            model=tiny_model("llama", head="causal_lm").train(),
+            args=sgd_arguments(tmp_path / trainer_class.__name__, max_steps=STEPS, per_device_train_batch_size=BATCH),
+            train_dataset=Ordered(),
+            methods=[Entropy(weight=10.0, mode="max")],
+        )
+        trainer.train()
+        weights.append(trainer.model.state_dict())
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
