@@ -17,7 +17,7 @@ Example:
     True
 """
 
-from attnreg import analysis, pruning, schedules, syntax
+from attnreg import analysis, schedules, syntax
 from attnreg.callbacks import (
     AttentionDropoutSchedule,
     AttentionLoss,
@@ -32,8 +32,8 @@ from attnreg.callbacks import (
 )
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
 from attnreg.hub import AttentionHub, AttentionRecord, LayerInfo, attach, detach, hub_of
+from attnreg.methods.layerwise_lr import layerwise_param_groups
 from attnreg.mixin import AttentionTerm, AttnRegMixin
-from attnreg.optim import layerwise_param_groups
 
 __all__ = [
     "AttentionDropoutSchedule",
@@ -59,7 +59,6 @@ __all__ = [
     "detach",
     "detect_family",
     "hub_of",
-    "pruning",
     "layerwise_param_groups",
     "schedules",
     "syntax",

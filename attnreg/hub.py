@@ -60,7 +60,7 @@ class LayerInfo:
         >>> model = tiny_model("llama"); hub = attach(model)       # 4 query heads sharing 2 key/value heads
         >>> hub.layers[1]
         LayerInfo(index=1, num_heads=4, num_kv_heads=2, head_dim=8)
-        >>> _ = attnreg.pruning.prune_heads(model, {1: [0, 1]})     # one whole key/value group
+        >>> _ = attnreg.methods.pruning.prune_heads(model, {1: [0, 1]})     # one whole key/value group
         >>> hub.layers[1]
         LayerInfo(index=1, num_heads=2, num_kv_heads=1, head_dim=8)
     """
@@ -662,7 +662,7 @@ def gate_values(gate: nn.Parameter | nn.Module, deterministic: bool = False) -> 
 
 _HEAD_MASK_MESSAGE = (
     "head_mask= was passed to a model under attnreg. transformers v5 no longer supports head masks and "
-    "silently ignores them; use hub.gate(layer) (set a head's gate to 0 to mask it) or attnreg.pruning."
+    "silently ignores them; use hub.gate(layer) (set a head's gate to 0 to mask it) or attnreg.methods.pruning."
 )
 
 
@@ -926,7 +926,7 @@ def _save_pretrained_folded(model: nn.Module, *args, **kwargs):
 @contextmanager
 def unfolded_saves(model: nn.Module) -> Iterator[None]:
     """Within the block `model.save_pretrained` saves the weights as they are, with the hub's gates and
-    temperatures unfolded (a training checkpoint, to resume from exactly; `attnreg.pruning.load_pruned`
+    temperatures unfolded (a training checkpoint, to resume from exactly; `attnreg.methods.pruning.load_pruned`
     reads it back), instead of folding them into a copy. A no-op for a model that is not attached.
 
     Example:
@@ -962,7 +962,7 @@ def find_transformers_model(module: nn.Module) -> PreTrainedModel:
     `module.attnreg_model_attr`, where set, names the attribute to use when there is more than one.
 
     Example:
-        >>> from attnreg.modules import SequenceClassifier
+        >>> from attnreg.app.modules import SequenceClassifier
         >>> from attnreg.tiny import tiny_model
         >>> classifier = SequenceClassifier(tiny_model("bert", head="classification"))
         >>> find_transformers_model(classifier) is classifier.model

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from attnreg.compat import lightning_trainer
 from attnreg.hub import AttentionHub, AttentionRecord, attach, find_transformers_model
-from attnreg.pruning import add_pruning_to_checkpoint, restore_pruning
+from attnreg.methods.pruning import add_pruning_to_checkpoint, restore_pruning
 
 TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
 

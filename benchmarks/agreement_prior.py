@@ -26,7 +26,7 @@ from pathlib import Path
 
 from common import add_output_arguments, output_dir, write_results
 
-from attnreg.collect import load_runs, value_at
+from attnreg.app.collect import load_runs, value_at
 
 WEIGHT = "attnreg.syntax_kl.weight"
 METRICS = {
@@ -41,7 +41,7 @@ def run_sweep(seeds: list[int], extra: list[str], sweep_dir: Path) -> None:
     command = [
         sys.executable,
         "-m",
-        "attnreg.train",
+        "attnreg.app.train",
         "-m",
         f"seed={','.join(map(str, seeds))}",
         f"{WEIGHT}=0,1",

@@ -33,9 +33,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import attnreg
 from attnreg.analysis import parent_accuracy
-from attnreg.datasets import read_cola
-from attnreg.models import minilm_directory, tiny_classifier
-from attnreg.modules import SequenceClassifier
+from attnreg.app.datasets import read_cola
+from attnreg.app.models import minilm_directory, tiny_classifier
+from attnreg.app.modules import SequenceClassifier
 from attnreg.schedules import Constant, Warmup
 from attnreg.syntax import SyntaxCollator, SyntaxDataset, iter_conllu
 from attnreg.syntax.parse import parse_texts

@@ -76,7 +76,7 @@ def output_dir(args: argparse.Namespace, script: str) -> Path:
 
 def read_sst2(split: str, limit: int | None = None) -> tuple[list[str], list[int]]:
     """SST-2 `train` or `dev` from the shared data: sentences and 0/1 labels (the first `limit`)."""
-    from attnreg.datasets import read_sst2 as read
+    from attnreg.app.datasets import read_sst2 as read
 
     texts, labels = read(data_path("sst2"), split)
     return texts[:limit], labels[:limit]
@@ -96,17 +96,17 @@ def batches(tokenizer, texts: list[str], labels: list[int], size: int, max_lengt
 
 
 def accuracy(model, data) -> float:
-    """Share of examples whose argmax logit is the label (`attnreg.evaluation.accuracy`; any iterable of
+    """Share of examples whose argmax logit is the label (`attnreg.app.evaluation.accuracy`; any iterable of
     batches with `labels`; the model's train/eval mode is left as it was)."""
-    from attnreg.evaluation import accuracy as score
+    from attnreg.app.evaluation import accuracy as score
 
     return score(model, data)
 
 
 def parameter_groups(model, weight_decay: float, gate_lr: float | None = None) -> list[dict]:
-    """AdamW groups as `attnreg.modules.SequenceClassifier` builds them: `decay`, `no_decay` (biases and
+    """AdamW groups as `attnreg.app.modules.SequenceClassifier` builds them: `decay`, `no_decay` (biases and
     norms) and `gates` (attnreg's head gates, no weight decay, at `gate_lr` when given)."""
-    from attnreg.pruning import gate_parameters
+    from attnreg.methods.pruning import gate_parameters
 
     gates = gate_parameters(model)
     gate_ids = {id(p) for p in gates}

@@ -12,7 +12,7 @@ Two parts, one run:
      similarity);
    - `forward`: the model alone (SDPA) over the same length-sorted batches: the floor.
 2. The full analysis of all EWT dev sentences (2,001), timed once, written as a report
-   (`attnreg.analyze.write_report`) into `benchmarks/results/minilm_ewt_analysis/<--run>/` (default
+   (`attnreg.app.analyze.write_report`) into `benchmarks/results/minilm_ewt_analysis/<--run>/` (default
    `default`, or `--out DIR`), with `results.md` and `results.json` there: the best head per relation in
    both directions against the best fixed-offset baseline, the best single head against right-branching,
    Clark et al.'s figures beside them, and a 512-token heatmap grid of all 72 heads.
@@ -38,9 +38,9 @@ from transformers import AutoModel, AutoTokenizer
 
 import attnreg
 from attnreg.analysis import ParentAccuracy, analyze, parent_accuracy, word_attention
-from attnreg.analyze import write_report
-from attnreg.models import minilm_directory
-from attnreg.plots import attention_grid
+from attnreg.analysis.plots import attention_grid
+from attnreg.app.analyze import write_report
+from attnreg.app.models import minilm_directory
 from attnreg.syntax import Sentence, align_offsets, read_conllu
 from attnreg.tiny import tiny_model
 

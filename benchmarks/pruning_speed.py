@@ -21,7 +21,7 @@ Two shapes with random weights from `attnreg.tiny.tiny_model` (dropout 0, vocabu
 attention, eval mode, `torch.inference_mode`): a BERT encoder (`BertModel`) and a GPT-2 decoder
 (`GPT2Model`), no padding. For each shape and length, copies of one model with identical weights are
 built: unpruned, and with 25%, 50% and 75% of the heads of every layer removed by
-`attnreg.pruning.prune_heads` (random heads, seeded; `--nonuniform` adds 50% removed with a different
+`attnreg.methods.pruning.prune_heads` (random heads, seeded; `--nonuniform` adds 50% removed with a different
 count per layer). After a warm-up the variants are timed round-robin, the order rotated every
 repetition, so that load from other processes hits all alike. Speed-up = median over repetitions of
 (unpruned forward time / pruned forward time in the same repetition), i.e. the throughput ratio.
@@ -43,7 +43,7 @@ import torch
 from common import add_output_arguments, output_dir, write_results
 from torch import nn
 
-from attnreg.pruning import count_parameters, prune_heads
+from attnreg.methods.pruning import count_parameters, prune_heads
 from attnreg.tiny import tiny_model
 
 FAMILIES = ("bert", "gpt2")
@@ -134,7 +134,7 @@ def markdown(results: dict) -> str:
         f"- Models: BertModel and GPT2Model, {sizes['layers']} layers x {sizes['heads']} heads x {sizes['hidden']}, "
         f"vocabulary {sizes['vocab']}, random weights, SDPA, eval, inference mode; batch {results['batch']}, "
         "no padding",
-        f"- Heads removed with `attnreg.pruning.prune_heads`, the same number in every layer (random heads; "
+        f"- Heads removed with `attnreg.methods.pruning.prune_heads`, the same number in every layer (random heads; "
         f"'non-uniform' alternates 25% and 75%); "
         f"{results['warmup']} warm-up and {reps_text(results)} timed forwards per variant, interleaved round-robin",
         "- Speed-up: median over repetitions of (unpruned time / pruned time in the same repetition)",

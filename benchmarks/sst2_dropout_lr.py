@@ -45,9 +45,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import attnreg
+from attnreg.app.models import minilm_directory, tiny_classifier
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.optim import LayerwiseLR
-from attnreg.models import minilm_directory, tiny_classifier
 from attnreg.schedules import Constant, CurriculumDropout, EarlyDropout, Linear, Warmup
 
 RATE = 0.1

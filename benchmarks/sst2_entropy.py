@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import attnreg
+from attnreg.app.models import minilm_directory, tiny_classifier
+from attnreg.app.modules import SequenceClassifier
 from attnreg.losses import attention_entropy
-from attnreg.models import minilm_directory, tiny_classifier
-from attnreg.modules import SequenceClassifier
 
 
 @torch.no_grad()

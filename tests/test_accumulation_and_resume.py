@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 import attnreg
 from attnreg import blockwise, losses, methods
 from attnreg.integrations.hf import AttnRegTrainer
-from attnreg.pruning import load_pruned, pruned_heads, silenced_heads
+from attnreg.methods.pruning import load_pruned, pruned_heads, silenced_heads
 from attnreg.tiny import tiny_model
 
 
@@ -220,7 +220,7 @@ def test_a_removal_failing_at_the_end_leaves_the_trained_model_gated_and_saved(t
     def fails(*args, **kwargs):
         raise RuntimeError("slicing went wrong")
 
-    monkeypatch.setattr(attnreg.pruning, "prune_heads", fails)  # a failure inside the removal, after training
+    monkeypatch.setattr(attnreg.methods.pruning, "prune_heads", fails)  # a failure inside the removal, after training
     with pytest.raises(RuntimeError, match=r"failed \(RuntimeError: slicing went wrong\); nothing was folded") as error:
         trainer.train()
     rescue = tmp_path / "attnreg-unpruned"

@@ -29,8 +29,8 @@ from attnreg.analysis import (
     token_importance,
     word_attention,
 )
-from attnreg.analyze import load_model, main
-from attnreg.pruning import prune_heads, save_pruned
+from attnreg.app.analyze import load_model, main
+from attnreg.methods.pruning import prune_heads, save_pruned
 from attnreg.syntax import Alignment, Sentence, align_offsets
 from attnreg.tiny import tiny_model
 
@@ -323,8 +323,8 @@ def png_size(path) -> tuple[int, int]:
 
 def test_plots_render_pngs_of_the_expected_size(tmp_path):
     pytest.importorskip("matplotlib")
-    from attnreg.plots import attention_grid, head_grid, pruning_curve
-    from attnreg.pruning import PruningStep
+    from attnreg.analysis.plots import attention_grid, head_grid, pruning_curve
+    from attnreg.methods.pruning import PruningStep
 
     probs = torch.softmax(torch.randn(12, 12, 512, 512), -1)  # 144 heads at 512 tokens
     figure = attention_grid(probs, path=tmp_path / "grid.png", cell_inches=0.5, dpi=40)
@@ -343,7 +343,7 @@ def test_plots_render_pngs_of_the_expected_size(tmp_path):
 
 
 def test_plots_without_matplotlib_say_what_to_install(monkeypatch):
-    from attnreg.plots import head_grid
+    from attnreg.analysis.plots import head_grid
 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"attnreg\[plots\]"):
@@ -451,7 +451,7 @@ def test_check_tokenizer_counts_words_it_cannot_represent(tmp_path):
 def test_lightning_checkpoint_loads_with_its_base(saved_model):
     from conftest import fit, padded_batch
 
-    from attnreg.modules import SequenceClassifier
+    from attnreg.app.modules import SequenceClassifier
 
     tokenizer = word_tokenizer()
     classifier = tiny_model("bert", "classification", vocab=len(tokenizer), layers=2, heads=4, hidden=32, num_labels=3)

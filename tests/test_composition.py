@@ -12,8 +12,8 @@ from conftest import padded_batch
 from torch.utils.data import DataLoader
 
 import attnreg
+from attnreg.app.modules import SequenceClassifier
 from attnreg.methods import L1Gates, Removal
-from attnreg.modules import SequenceClassifier
 from attnreg.progress import TrainingLengthWarning
 from attnreg.schedules import Constant, Linear, Warmup
 from attnreg.syntax.data import PRIOR_KEY

@@ -8,8 +8,8 @@ import torch
 from conftest import padded_batch
 from torch.utils.data import DataLoader
 
-from attnreg.datasets import read_cola, read_sst2
-from attnreg.modules import SequenceClassifier
+from attnreg.app.datasets import read_cola, read_sst2
+from attnreg.app.modules import SequenceClassifier
 from attnreg.syntax import PRIOR_KEY
 from attnreg.tiny import tiny_model
 

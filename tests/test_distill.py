@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from conftest import fit, padded_batch
 
-from attnreg import pruning
-from attnreg.distill import distillation_loss
-from attnreg.modules import Distiller
+from attnreg.app.modules import Distiller
+from attnreg.methods import pruning
+from attnreg.methods.distillation import distillation_loss
 from attnreg.tiny import tiny_model
 
 

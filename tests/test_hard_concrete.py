@@ -11,9 +11,8 @@ import torch
 from conftest import Classifier, trainer
 from torch.utils.data import DataLoader
 
-from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating as GatingCallback
-from attnreg.methods import HardConcreteGates, HeadGating, L1Gates, Removal
+from attnreg.methods import HardConcreteGates, HeadGating, L1Gates, Removal, pruning
 from attnreg.tiny import tiny_model
 
 

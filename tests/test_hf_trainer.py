@@ -17,12 +17,12 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 
 import attnreg
 from attnreg import methods
+from attnreg.app.modules import SequenceClassifier
+from attnreg.app.task import make_splits
 from attnreg.integrations.hf import STATE_FILE, AttnRegTrainer
-from attnreg.modules import SequenceClassifier
 from attnreg.progress import TrainingLengthWarning
 from attnreg.schedules import Constant, Linear, Warmup
 from attnreg.syntax import PRIOR_KEY, SyntaxCollator, SyntaxDataset
-from attnreg.task import make_splits
 from attnreg.tiny import tiny_model
 
 

@@ -8,21 +8,19 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "attnreg"
 FRAMEWORKS = ("lightning", "pytorch_lightning", "attnreg.callbacks", "attnreg.mixin", "attnreg.integrations")
-APP = ("attnreg.train", "attnreg.models", "attnreg.evaluation", "attnreg.datamodules", "attnreg.configs")
-LOWER = [
+APP = ("attnreg.app",)
+CORE = [
     "families.py",
     "hub.py",
+    "heads.py",
     "losses.py",
     "blockwise.py",
     "schedules.py",
     "progress.py",
-    "optim.py",
-    "distill.py",
-    "pruning",
     "syntax",
     "analysis",
-    "methods",
 ]
+LOWER = [*CORE, "methods"]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -53,6 +51,14 @@ def test_lower_layers_import_no_framework_and_no_app(path):
         or name == "transformers.Trainer"
     ]
     assert not upward, f"{path.relative_to(PACKAGE)} imports {sorted(upward)} from a layer above it"
+
+
+@pytest.mark.parametrize("path", [p for entry in CORE for p in files(entry)], ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_core_imports_no_method(path):
+    upward = [
+        name for name in imported_modules(path) if name == "attnreg.methods" or name.startswith("attnreg.methods.")
+    ]
+    assert not upward, f"{path.relative_to(PACKAGE)} imports {sorted(upward)}: the core sits below the methods"
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

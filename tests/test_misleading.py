@@ -24,15 +24,15 @@ from attnreg import methods
 from attnreg.analysis import HeadStatistics, ParentAccuracy, SyntaxTargets, analyze
 from attnreg.analysis.dependencies import predicted_heads
 from attnreg.analysis.heads import STATISTICS
-from attnreg.analyze import write_report
-from attnreg.collect import main as collect_main
-from attnreg.configs import CONFIG_DIR, register_resolvers
-from attnreg.methods.optim import LayerwiseLR
+from attnreg.app.analyze import write_report
+from attnreg.app.collect import main as collect_main
+from attnreg.app.configs import CONFIG_DIR, register_resolvers
+from attnreg.app.task import build_tokenizer, generate, vocabulary
+from attnreg.app.train import format_summary, train
+from attnreg.methods.layerwise_lr import LayerwiseLR
 from attnreg.syntax import CollatorStats, Sentence, SyntaxCollator, align_word_ids
 from attnreg.syntax.trees import read_conllu
-from attnreg.task import build_tokenizer, generate, vocabulary
 from attnreg.tiny import tiny_model
-from attnreg.train import format_summary, train
 
 # -- every override a config comment or the docs show ----------------------------------------------------
 # The convention: a comment shows overrides as a command line of their own, `#   attnreg-train OVERRIDES`
@@ -141,7 +141,7 @@ def test_the_syntax_kl_comment_gives_a_head_map():
 # -- attnreg's presets from a user's own Hydra app ------------------------------------------------------
 USER_APP = """
 hydra:
-  searchpath: [pkg://attnreg.configs]
+  searchpath: [pkg://attnreg.app.configs]
 defaults:
   - _self_
   - attnreg: none

@@ -178,7 +178,7 @@ def test_gates_get_their_own_group_under_layerwise_lr():
         def on_train_start(self, trainer, pl_module):
             for group in trainer.optimizers[0].param_groups:
                 seen[group["name"]] = (group["lr"], [id(p) for p in group["params"]])
-            seen["gates_expected"] = sorted(id(g) for g in attnreg.pruning.gate_parameters(pl_module.model))
+            seen["gates_expected"] = sorted(id(g) for g in attnreg.methods.pruning.gate_parameters(pl_module.model))
 
     fit(classifier(), batches(2), [gating, llrd, Groups()])
     assert seen["gates"][0] == pytest.approx(0.1)  # lr x 100, no layer decay
@@ -189,7 +189,7 @@ def test_gates_get_their_own_group_under_layerwise_lr():
 
 
 def test_sequence_classifier_gives_gates_their_own_rate():
-    from attnreg.modules import SequenceClassifier
+    from attnreg.app.modules import SequenceClassifier
 
     gating = attnreg.HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=6))
     module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3, gate_lr=0.05)
@@ -257,7 +257,7 @@ def test_a_layer_pruned_empty_leaves_the_other_layers_regularized():
 
 def test_supervised_heads_keep_their_original_numbers_after_pruning():
     model = tiny_model("bert", head="classification")
-    attnreg.pruning.prune_heads(model, {0: [0]})
+    attnreg.methods.pruning.prune_heads(model, {0: [0]})
     kl = attnreg.SyntaxPriorKL(layers=[0], heads=[2])
     module = Classifier(model.train())
     kl.setup(None, module, "fit")

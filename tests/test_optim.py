@@ -15,7 +15,7 @@ from transformers import AlbertConfig, AlbertModel
 import attnreg
 from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
 from attnreg.families import detect_family
-from attnreg.optim import layerwise_param_groups, parameters_by_layer
+from attnreg.methods.layerwise_lr import layerwise_param_groups, parameters_by_layer
 from attnreg.schedules import Linear, Warmup
 from attnreg.tiny import tiny_model
 

@@ -81,7 +81,7 @@ def test_merge_and_unload_keeps_gates_and_silencing():
     model = lora(tiny_model("llama", head="causal_lm"))
     hub = attnreg.attach(model)
     set_gates(hub)
-    attnreg.pruning.silence_heads(model.get_base_model(), {0: [0]})
+    attnreg.methods.pruning.silence_heads(model.get_base_model(), {0: [0]})
     expected = logits(reference(silenced={0: [0]}))
     torch.testing.assert_close(logits(model), expected, rtol=1e-5, atol=1e-5)
     merged = model.merge_and_unload()
@@ -95,7 +95,7 @@ def test_removal_on_adapter_layers_is_refused_before_anything_changes(targets):
     model = lora(tiny_model("llama", head="causal_lm"), targets)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     with pytest.raises(TypeError, match=r"cannot be removed: .*(k_proj|o_proj) is a peft\.tuners\.lora\.layer\.Linear"):
-        attnreg.pruning.prune_heads(model.get_base_model(), {0: [0, 1], 1: [2]})
+        attnreg.methods.pruning.prune_heads(model.get_base_model(), {0: [0, 1], 1: [2]})
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
     gating = methods.HeadGating(methods.L1Gates(), methods.Removal(keep=6))

@@ -10,8 +10,8 @@ import torch
 from conftest import DECODERS, FAMILIES, main_output, padded_batch
 
 import attnreg
-from attnreg import pruning
-from attnreg.pruning import head_importance, load_pruned, prune_heads, pruned_heads, save_pruned
+from attnreg.methods import pruning
+from attnreg.methods.pruning import head_importance, load_pruned, prune_heads, pruned_heads, save_pruned
 from attnreg.tiny import tiny_model
 
 HEAD_MODEL = {family: "causal_lm" if family in DECODERS else "classification" for family in FAMILIES}

@@ -10,10 +10,9 @@ from conftest import trainer as make_trainer
 from torch.utils.data import DataLoader
 
 import attnreg
-from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating, HeadImportance
 from attnreg.hub import GATE
-from attnreg.methods import HardConcreteGates, L1Gates, Removal
+from attnreg.methods import HardConcreteGates, L1Gates, Removal, pruning
 from attnreg.schedules import Constant, Warmup
 from attnreg.tiny import tiny_model
 

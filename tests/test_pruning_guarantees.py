@@ -10,10 +10,9 @@ import torch
 from conftest import Classifier, fit, main_output, padded_batch
 
 import attnreg
-from attnreg import pruning
 from attnreg.callbacks.pruning import HeadGating
-from attnreg.methods import L1Gates, Removal
-from attnreg.pruning import load_pruned, prune_heads, pruned_heads, save_pruned, silenced_heads, surgery
+from attnreg.methods import L1Gates, Removal, pruning
+from attnreg.methods.pruning import load_pruned, prune_heads, pruned_heads, save_pruned, silenced_heads, surgery
 from attnreg.tiny import tiny_model
 
 HEAD_DIM = 8  # tiny_model: hidden 32, 4 heads

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import attnreg
 from attnreg import blockwise
 from attnreg.losses import prior_kl
-from attnreg.pruning import prune_heads
+from attnreg.methods.pruning import prune_heads
 
 pytestmark = pytest.mark.slow
 

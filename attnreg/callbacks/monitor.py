@@ -8,9 +8,9 @@ not `attnreg.AttnRegMixin`.
 
 Example:
     >>> from torch.utils.data import DataLoader
-    >>> from attnreg.modules import SequenceClassifier
+    >>> from attnreg.app.modules import SequenceClassifier
     >>> from attnreg.syntax import SyntaxCollator
-    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> from attnreg.tiny import tiny_model
     >>> tokenizer, examples = build_tokenizer(vocabulary()), generate(4, seed=0)
     >>> monitor = AttentionMonitor(every_n_steps=1, gold_sentences=[e.sentence for e in examples], tokenizer=tokenizer)

@@ -1,8 +1,9 @@
 """Per-layer learning rates and temporary freezing as Lightning callbacks, for modules you do not want to edit.
 
 `LayerwiseLR` trains with the optimizer and learning-rate schedule of `attnreg.methods.LayerwiseLR`
-(`attnreg.optim.layerwise_param_groups`). The optimizer is built whole before its scheduler (adding groups
-to a live optimizer breaks every torch 2.13 scheduler step) and replaces the module's at fit start; on
+(`attnreg.methods.layerwise_lr.layerwise_param_groups`). The optimizer is built whole before its scheduler
+(adding groups to a live
+optimizer breaks every torch 2.13 scheduler step) and replaces the module's at fit start; on
 resume Lightning loads the checkpoint's optimizer and scheduler state into it.
 
 `FreezeLayers` freezes layer groups for the first epochs without changing the optimizer's groups: it

@@ -6,7 +6,7 @@ to the loss through the mixin and removes heads when the method says, with the o
 sliced, folding the remaining gates into the output projections at the last removal: the smaller model
 carries no gates and computes what the gated model computed with the removed gates at 0.
 `HeadImportance` scores heads after training (Michel et al. 2019) and can prune iteratively. The work
-is done by `attnreg.pruning`.
+is done by `attnreg.methods.pruning`.
 
 Example:
     >>> from attnreg.methods import HardConcreteGates, L1Gates, Removal
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import lightning as L
 
-from attnreg import pruning
 from attnreg.callbacks.base import MethodCallback, TermCallback
-from attnreg.methods.gating import HeadGating as Gating
-from attnreg.methods.gating import PruningRound
-from attnreg.methods.importance import HeadImportance as Importance
+from attnreg.methods import pruning
+from attnreg.methods.pruning.importance import HeadImportance as Importance
+from attnreg.methods.pruning.method import HeadGating as Gating
+from attnreg.methods.pruning.method import PruningRound
 from attnreg.mixin import require_mixin
 
 __all__ = ["HeadGating", "HeadImportance", "PruningRound"]
@@ -41,14 +41,14 @@ class HeadGating(TermCallback):
     folded gates from it; LR schedulers are untouched. The choice is broadcast from rank 0 and the step
     that triggers it is the same on every rank; removal during training under DDP is refused (its
     gradient buckets keep the old shapes), so with several processes prune at the end of fit. Resuming
-    from a checkpoint taken after a removal needs `attnreg.pruning.restore_pruning` in the module's
+    from a checkpoint taken after a removal needs `attnreg.methods.pruning.restore_pruning` in the module's
     `on_load_checkpoint` (the mixin does it).
 
     Example:
         >>> import torch
         >>> from torch.utils.data import DataLoader
         >>> from attnreg.methods import L1Gates, Removal
-        >>> from attnreg.modules import SequenceClassifier
+        >>> from attnreg.app.modules import SequenceClassifier
         >>> from attnreg.tiny import tiny_model
         >>> module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3, gate_lr=0.1)
         >>> gating = HeadGating(L1Gates(weight=0.01), Removal(keep=6))        # keep 6 of the 8 heads
@@ -67,7 +67,7 @@ class HeadGating(TermCallback):
         """Remove heads now (all but the `keep` best, default the removal's, else below its threshold).
 
         The method removes heads when `Removal` says; call this yourself (from a hook of yours, with the
-        trainer) to prune at another moment. Returns what `attnreg.pruning.prune_heads` did.
+        trainer) to prune at another moment. Returns what `attnreg.methods.pruning.prune_heads` did.
         """
         keep = self.method.removal.keep if keep is None else keep
         report = self.method.remove_if_due(self.loop(trainer, pl_module), (keep, final))

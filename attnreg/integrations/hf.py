@@ -24,7 +24,7 @@ Example:
     >>> from transformers import TrainingArguments
     >>> from attnreg import methods
     >>> from attnreg.syntax import SyntaxCollator
-    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> from attnreg.tiny import tiny_model
     >>> tokenizer = build_tokenizer(vocabulary())
     >>> dataset = [{"sentence": example.sentence, "label": example.label} for example in generate(8, seed=0)]
@@ -60,7 +60,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from attnreg.compat import KeepColumns
 from attnreg.hub import is_attached, unfolded_saves
 from attnreg.methods import Loop, Method, Runner
-from attnreg.pruning import restore_saved_pruning, write_spec
+from attnreg.methods.pruning import restore_saved_pruning, write_spec
 
 STATE_FILE = "attnreg_state.json"
 _KEPT_COLUMNS = ("sentence", "label", "labels", "words", "heads", "relations", "text")  # what SyntaxCollator reads
@@ -180,7 +180,7 @@ class AttnRegTrainerMixin(KeepColumns):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's `save_model`; a checkpoint keeps the weights as training has them (gates and
         temperatures unfolded, so a resume continues exactly) and the pruning spec, so that `train(
-        resume_from_checkpoint=...)` and `attnreg.pruning.load_pruned` read it. A model saved by the user
+        resume_from_checkpoint=...)` and `attnreg.methods.pruning.load_pruned` read it. A model saved by the user
         (`trainer.save_model()`) has its gates folded and loads with `from_pretrained` where no head was removed."""
         model = self._attnreg_model()
         checkpoint = output_dir is not None and Path(output_dir).name.startswith(f"{PREFIX_CHECKPOINT_DIR}-")

@@ -11,10 +11,10 @@ Example:
 
 from attnreg.methods.base import Loop, Method, free_name
 from attnreg.methods.dropout import DropoutSchedule, hidden_dropout_modules
-from attnreg.methods.gating import HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
-from attnreg.methods.importance import HeadImportance
+from attnreg.methods.layerwise_lr import FreezeLayers, LayerwiseLR
 from attnreg.methods.monitor import EntropyCollapseWarning, Monitor, MonitorCheck
-from attnreg.methods.optim import FreezeLayers, LayerwiseLR
+from attnreg.methods.pruning.importance import HeadImportance
+from attnreg.methods.pruning.method import HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
 from attnreg.methods.regularizers import AttentionPenalty, Entropy, LossTerm, PriorKL
 from attnreg.methods.runner import Captured, Runner
 

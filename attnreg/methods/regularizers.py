@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from attnreg import blockwise
+from attnreg.heads import head_numbers, pruned_heads
 from attnreg.hub import AttentionRecord, LayerInputs
 from attnreg.losses import EntropyMode, HeadReduction, attention_entropy, entropy_penalty, prior_kl
 from attnreg.methods.base import Method
-from attnreg.pruning import head_numbers, pruned_heads
 from attnreg.schedules import ScheduleLike, as_schedule
 from attnreg.syntax.data import PRIOR_KEY
 

@@ -1,7 +1,7 @@
 """Dependency trees for syntax priors: reading CoNLL-U, aligning words to subword tokens, building priors.
 
 Example:
-    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> sentences = [example.sentence for example in generate(32, seed=0)]   # or read_conllu("en_ewt-ud-dev.conllu")
     >>> sentences[0].words[:3], sentences[0].heads[:3]   # heads are 1-based word indices, 0 = root
     (('under', 'the', 'dog'), (3, 3, 11))

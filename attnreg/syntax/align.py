@@ -8,7 +8,7 @@ to no word. A word is kept only when its tokens cover it to its last character, 
 truncation loses all its tokens, and the arcs touching it are dropped (counted in `dropped_words`).
 
 Example:
-    >>> from attnreg.task import build_tokenizer
+    >>> from attnreg.app.task import build_tokenizer
     >>> sentence = Sentence("s1", ("Keys", "rattle", "."), (2, 0, 2), ("nsubj", "root", "punct"), "Keys rattle.")
     >>> tokenizer = build_tokenizer(["Keys", "rattle", "."])
     >>> encoding = tokenizer(sentence.text, return_offsets_mapping=True)

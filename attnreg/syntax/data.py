@@ -10,7 +10,7 @@ restriction of the loss leaves out (a word whose parent is to its right).
 
 Example:
     >>> from torch.utils.data import DataLoader
-    >>> from attnreg.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> examples = generate(64, seed=0)
     >>> dataset = SyntaxDataset([e.sentence for e in examples], [e.label for e in examples])  # or .from_conllu(path)
     >>> loader = DataLoader(dataset, batch_size=32, collate_fn=SyntaxCollator(build_tokenizer(vocabulary())))
@@ -157,7 +157,7 @@ class SyntaxCollator:
 
     Example:
         >>> import warnings
-        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.app.task import build_tokenizer
         >>> sentence = Sentence("s1", ("Keys", "rattle", "."), (2, 0, 2), ("nsubj", "root", "punct"), "Keys rattle.")
         >>> collate = SyntaxCollator(build_tokenizer(["Keys", "rattle", "."]), max_length=16)
         >>> batch = collate([sentence, {"sentence": sentence, "label": 1}])
@@ -245,7 +245,7 @@ class SyntaxCollator:
         str}` rows parsed here with spaCy (`parser`; the `parse` extra).
 
         Example:
-            >>> from attnreg.task import build_tokenizer
+            >>> from attnreg.app.task import build_tokenizer
             >>> collate = SyntaxCollator(build_tokenizer(["x"]))
             >>> row = {"words": ["Keys", "rattle"], "heads": [2, 0], "relations": ["nsubj", "root"]}
             >>> collate.sentences([{**row, "text": "Keys rattle"}])[0].heads
@@ -300,7 +300,7 @@ class SyntaxCollator:
         """The batch's prior from token `offsets` `[B, T, 2]`: `[B, T]` indices or `[B, T, T]` rows.
 
         Example:
-            >>> from attnreg.task import build_tokenizer
+            >>> from attnreg.app.task import build_tokenizer
             >>> sentence = Sentence("s1", ("Keys", "rattle"), (2, 0), ("nsubj", "root"), "Keys rattle")
             >>> collate = SyntaxCollator(build_tokenizer(["x"]), prior="neighbors")
             >>> collate.priors([sentence], np.array([[[0, 0], [0, 4], [5, 11], [0, 0]]]))[0, 2]   # "rattle"
@@ -375,7 +375,7 @@ def shared_token_cause(tokenizer: PreTrainedTokenizerBase) -> str:
     """Why two words can share one token with this (fast) tokenizer, for the collator's warning.
 
     Example:
-        >>> from attnreg.task import build_tokenizer
+        >>> from attnreg.app.task import build_tokenizer
         >>> shared_token_cause(build_tokenizer(["a"]))
         'a word-level vocabulary that holds the two words as one entry'
     """

@@ -1,0 +1,551 @@
+r"""`attnreg-analyze`: analyze the attention heads of a model on some sentences and write a report folder.
+
+    attnreg-analyze MODEL DATA --out report/
+
+MODEL is a local model directory (`save_pretrained`, or `attnreg.methods.pruning.save_pruned` for a pruned
+model), a Lightning checkpoint (`.ckpt`) of `attnreg.app.modules.SequenceClassifier` together with
+`--base`, the model it was fine-tuned from, or a Hugging Face Hub name (which needs a download).
+DATA is a CoNLL-U file (`.conllu`, `.conllu.gz`: gold trees) or a text file with one sentence per
+line (parsed with spaCy, `pip install 'attnreg[parse]'`). The tokenizer is the model's (its directory,
+or `--base` for a checkpoint) unless `--tokenizer` names one; a directory without tokenizer files, or
+a tokenizer that reads most words of DATA as unknown, is refused (the report would be wrong).
+
+The report folder gets `statistics.csv` and `statistics.json` (every per-head statistic, role and
+parent accuracy), `roles.csv` (the role table), `relations.csv` (best head per relation, both
+directions, against the best fixed-offset baseline: Clark et al. 2019's Table 1), PNGs (entropy,
+roles, parent accuracy, the attention of one example) and `summary.md`. For instance:
+
+    attnreg-analyze ./minilm ../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu --out report --limit 500
+    attnreg-analyze run.ckpt sentences.txt --base ./minilm --out report
+
+Example (`main` takes the command line's arguments; a tiny random model and one tree here):
+    >>> import tempfile
+    >>> from attnreg.app.task import build_tokenizer, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> tiny_model("bert", vocab=len(tokenizer)).save_pretrained(folder / "model")   # 2 layers x 4 heads
+    >>> _ = tokenizer.save_pretrained(folder / "model")
+    >>> words = [("the", 2, "det"), ("dogs", 3, "nsubj"), ("see", 0, "root"), ("the", 5, "det"), ("cat", 3, "obj")]
+    >>> rows = [f"{i}\t{word}\t_\t_\t_\t_\t{head}\t{rel}\t_\t_" for i, (word, head, rel) in enumerate(words, 1)]
+    >>> _ = Path(folder, "dev.conllu").write_text("# text = the dogs see the cat\n" + "\n".join(rows) + "\n\n")
+    >>> main([str(folder / "model"), str(folder / "dev.conllu"), "--out", str(folder / "report")])
+    analyzed 1 sentences in ... s; report in .../report
+    0
+    >>> sorted(path.name for path in (folder / "report").iterdir())
+    ['attention_example.png', 'entropy.png', 'parent_accuracy.png', 'relations.csv', 'roles.csv', 'roles.png',
+     'statistics.csv', 'statistics.json', 'summary.md']
+    >>> import csv
+    >>> heads = list(csv.DictReader((folder / "report" / "statistics.csv").read_text().splitlines()))
+    >>> len(heads), heads[0]["layer"], heads[0]["head"], 0 <= float(heads[0]["parent_accuracy"]) <= 1  # per head
+    (8, '0', '0', True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from attnreg.analysis import STATISTICS, Analysis, RoleThresholds, analyze, check_tokenizer, token_importance
+from attnreg.hub import attach
+from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
+from attnreg.syntax.trees import Sentence, read_conllu
+
+SUMMARY_STATISTICS = (
+    "entropy",
+    "to_start",
+    "to_end",
+    "to_punctuation",
+    "to_self",
+    "to_previous",
+    "to_next",
+    "distance",
+)
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+"""Files of which a tokenizer directory has at least one."""
+
+
+class InputError(ValueError):
+    """A model or data argument that cannot be used, with the reason.
+
+    Example:
+        >>> import tempfile
+        >>> missing = Path(tempfile.mkdtemp(), "dev.conllu")
+        >>> try:
+        ...     load_sentences(missing)
+        ... except ValueError as error:                       # an InputError is a ValueError
+        ...     print(type(error).__name__, "-", error)
+        InputError - data file /.../dev.conllu does not exist
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def load_model(
+    spec: str, base: str | None = None, tokenizer: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model in eval mode, fast tokenizer) from a directory, a `.ckpt` (with `base`) or a hub name.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.app.task import build_tokenizer, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> tokenizer = build_tokenizer(vocabulary())
+        >>> tiny_model("bert", vocab=len(tokenizer)).save_pretrained(folder / "base")   # ./minilm, say
+        >>> _ = tokenizer.save_pretrained(folder / "base")
+        >>> model, tokenizer = load_model(str(folder / "base"))
+        >>> type(model).__name__, model.training, tokenizer.is_fast
+        ('BertModel', False, True)
+        >>> classifier = tiny_model("bert", head="classification", vocab=len(tokenizer), num_labels=3)
+        >>> state = {f"model.{key}": value for key, value in classifier.state_dict().items()}
+        >>> torch.save({"state_dict": state}, folder / "run.ckpt")    # as SequenceClassifier's checkpoints hold it
+        >>> model, tokenizer = load_model(str(folder / "run.ckpt"), base=str(folder / "base"))
+        >>> type(model).__name__, model.num_labels, torch.equal(model.classifier.weight, classifier.classifier.weight)
+        ('BertForSequenceClassification', 3, True)
+        >>> load_model(str(folder / "run.ckpt"))
+        Traceback (most recent call last):
+        ...
+        attnreg.app.analyze.InputError: .../run.ckpt is a Lightning checkpoint: give --base, the model directory ...
+    """
+    path = Path(spec)
+    if path.suffix == ".ckpt":
+        if not path.is_file():
+            raise InputError(f"checkpoint {spec} does not exist")
+        if base is None:
+            raise InputError(
+                f"{spec} is a Lightning checkpoint: give --base, the model directory (or name) it was fine-tuned "
+                "from, so the architecture can be rebuilt"
+            )
+        model = _from_checkpoint(path, base)
+        source = tokenizer or base
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{spec} is a directory without config.json: not a saved transformers model")
+        model = load_pruned(path) if (path / SPEC_FILE).is_file() else AutoModel.from_pretrained(path)
+        source = tokenizer or spec
+    elif path.exists():
+        raise InputError(f"{spec} is a file but not a Lightning checkpoint (.ckpt); give a model directory instead")
+    else:
+        model = _from_hub(spec, AutoModel)
+        source = tokenizer or spec
+    return model.eval(), _tokenizer(source)
+
+
+def _from_hub(name: str, loader: Any, **kwargs: Any) -> Any:
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as error:
+        raise InputError(
+            f"{name!r} is not a local directory or checkpoint, and loading it from the Hugging Face Hub failed "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). This needs a download "
+            "(and network access); otherwise save the model with save_pretrained and pass its directory"
+        ) from error
+
+
+def _tokenizer(source: str) -> PreTrainedTokenizerBase:
+    path = Path(source)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(
+            f"{source} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), and the tokenizer transformers "
+            "builds for it reads every word as unknown: pass the model's tokenizer with --tokenizer DIR_OR_NAME "
+            "(attnreg.methods.pruning.save_pruned(model, directory, tokenizer=tokenizer) saves one beside a "
+            "pruned model)"
+        )
+    loaded = AutoTokenizer.from_pretrained(source) if path.is_dir() else _from_hub(source, AutoTokenizer)
+    if not loaded.is_fast:
+        raise InputError(f"the tokenizer of {source} is not a fast tokenizer; the analysis needs character offsets")
+    return loaded
+
+
+def _from_checkpoint(path: Path, base: str) -> PreTrainedModel:
+    """A `SequenceClassifier` checkpoint's model: rebuilt from `base`'s config, pruning re-applied, weights loaded."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    if "state_dict" not in checkpoint:
+        raise InputError(f"{path} has no state_dict: not a Lightning checkpoint")
+    state = {key[len("model.") :]: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.")}
+    if not state:
+        raise InputError(
+            f"{path}: no weights under 'model.'; expected a checkpoint of attnreg.app.modules.SequenceClassifier"
+        )
+    config = AutoConfig.from_pretrained(base) if Path(base).is_dir() else _from_hub(base, AutoConfig)
+    model = AutoModelForSequenceClassification.from_config(config)
+    prefix = f"{model.base_model_prefix}."
+    for key, value in model.state_dict().items():
+        saved = state.get(key)
+        if not key.startswith(prefix) and saved is not None and saved.shape != value.shape:
+            config.num_labels = saved.shape[0]  # the classification head's size
+            model = AutoModelForSequenceClassification.from_config(config)
+            break
+    attach(model)  # gates and temperatures in the state_dict are created on load
+    restore_pruning(model, checkpoint)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(
+            f"{path} does not match {base}: missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+    return model
+
+
+def load_sentences(path: str | Path, data_format: str = "auto", limit: int | None = None) -> list[Sentence]:
+    r"""Sentences with trees: gold from CoNLL-U, or parsed with spaCy from a text file (one per line).
+
+    Example:
+        >>> import tempfile
+        >>> words = [("the", 2, "det"), ("dogs", 3, "nsubj"), ("bark", 0, "root")]
+        >>> rows = [f"{i}\t{word}\t_\t_\t_\t_\t{head}\t{rel}\t_\t_" for i, (word, head, rel) in enumerate(words, 1)]
+        >>> path = Path(tempfile.mkdtemp(), "dev.conllu")
+        >>> _ = path.write_text(("# text = the dogs bark\n" + "\n".join(rows) + "\n\n") * 3)   # 3 sentences
+        >>> sentences = load_sentences(path, limit=2)
+        >>> len(sentences), sentences[0].words, sentences[0].heads, sentences[0].text
+        (2, ('the', 'dogs', 'bark'), (2, 3, 0), 'the dogs bark')
+        >>> load_sentences(path, data_format="csv")
+        Traceback (most recent call last):
+        ...
+        attnreg.app.analyze.InputError: unknown data format 'csv'; use conllu, text or auto
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"data file {path} does not exist")
+    if data_format == "auto":
+        data_format = "conllu" if path.name.endswith((".conllu", ".conllu.gz")) else "text"
+    if data_format == "conllu":
+        sentences = read_conllu(path)
+    elif data_format == "text":
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = lines[:limit] if limit is not None else lines
+        if not lines:
+            raise InputError(f"{path} has no sentences (one per line expected)")
+        from attnreg.syntax.parse import parse_texts
+
+        try:
+            sentences = parse_texts(lines)
+        except ImportError as error:
+            raise InputError(f"parsing {path} needs spaCy: {error}") from error
+    else:
+        raise InputError(f"unknown data format {data_format!r}; use conllu, text or auto")
+    return sentences[:limit] if limit is not None else sentences
+
+
+def _check_tokenizer(tokenizer: PreTrainedTokenizerBase, sentences: Sequence[Sentence]) -> None:
+    try:
+        check_tokenizer(tokenizer, [sentence.text for sentence in sentences])
+    except ValueError as error:
+        raise InputError(f"{error}: pass it with --tokenizer DIR_OR_NAME") from error
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def write_report(
+    analysis: Analysis,
+    out: str | Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    example: Sentence,
+    meta: dict[str, Any],
+    thresholds: RoleThresholds | None = None,
+    min_relation_words: int = 20,
+    collapse_threshold: float = 0.9,
+    plots: bool = True,
+) -> Path:
+    """Write the report files of `analysis` into `out` (see the module docstring); returns `out`.
+
+    Example (without the PNGs; `main` draws them):
+        >>> import tempfile
+        >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(vocabulary()); model = tiny_model("bert", vocab=len(tokenizer)).eval()
+        >>> sentences = [example.sentence for example in generate(4, seed=0)]     # with gold trees
+        >>> meta = {"model": "tiny_bert", "data": "agreement"}
+        >>> out = write_report(analyze(model, tokenizer, sentences), tempfile.mkdtemp(), model, tokenizer,
+        ...                    sentences[0], meta, min_relation_words=1, plots=False)
+        >>> sorted(path.name for path in out.iterdir())
+        ['relations.csv', 'roles.csv', 'statistics.csv', 'statistics.json', 'summary.md']
+        >>> (out / "summary.md").read_text().splitlines()[0]
+        '# Attention analysis: tiny_bert'
+        >>> report = json.loads((out / "statistics.json").read_text())
+        >>> report["sequences"], report["tokens"], len((out / "statistics.csv").read_text().splitlines())  # 8 heads
+        (4, 48, 9)
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    roles = analysis.roles(thresholds)
+    statistics = analysis.statistics
+    syntax = analysis.syntax
+    rows = []
+    for role in roles.heads:
+        row: dict[str, Any] = {"layer": role.layer, "head": role.head, "role": role.primary}
+        row.update({name: _round(statistics[name][role.layer, role.head]) for name in STATISTICS})
+        if syntax is not None:
+            row["parent_accuracy"] = _round(syntax.accuracy[role.layer, role.head])
+            row["reverse_parent_accuracy"] = _round(syntax.reverse_accuracy[role.layer, role.head])
+        rows.append(row)
+    _write_csv(out / "statistics.csv", rows)
+    _write_csv(out / "roles.csv", roles.table())
+    relations = syntax.relation_table(min_words=min_relation_words) if syntax is not None else []
+    if relations:
+        _write_csv(out / "relations.csv", relations)
+    importance = _importance(model, tokenizer, example)
+    collapsed = analysis.similarity.collapsed(collapse_threshold) if analysis.similarity is not None else []
+    report = {
+        **meta,
+        **analysis.to_dict(thresholds, min_relation_words=min_relation_words),
+        "thresholds": vars(roles.thresholds),
+        "collapse": {"threshold": collapse_threshold, "collapsed": collapsed},
+        "token_importance": importance["top"],
+    }
+    (out / "statistics.json").write_text(json.dumps(report, indent=1) + "\n")
+    images = _plots(analysis, roles.grid(), importance, out) if plots else []
+    (out / "summary.md").write_text(
+        _summary(analysis, roles, relations, meta, collapsed, collapse_threshold, importance, images)
+    )
+    return out
+
+
+def _importance(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, example: Sentence) -> dict[str, Any]:
+    """Attention maps of one example and its tokens ranked by the summary token's attention."""
+    hub = attach(model)
+    encoding = tokenizer(example.text, return_tensors="pt", truncation=True, max_length=512)
+    device = next(model.parameters()).device
+    with torch.no_grad(), hub.capture() as probs:
+        model(**{key: value.to(device) for key, value in encoding.items() if key in ("input_ids", "attention_mask")})
+    maps = {layer: probs[layer][0].float().cpu() for layer in probs}
+    scores = token_importance({layer: m[None] for layer, m in maps.items()}, causal=hub.family.causal)[0]
+    tokens = tokenizer.convert_ids_to_tokens(encoding["input_ids"][0])
+    order = scores.argsort(descending=True).tolist()
+    top = [{"token": tokens[i], "position": i, "importance": round(float(scores[i]), 4)} for i in order[:8]]
+    return {"maps": maps, "tokens": tokens, "top": {"sentence": example.text, "tokens": top}}
+
+
+def _plots(analysis: Analysis, grid: list[list[str]], importance: dict[str, Any], out: Path) -> list[str]:
+    from attnreg.analysis.plots import attention_grid, head_grid
+
+    images = ["entropy.png", "roles.png", "attention_example.png"]
+    head_grid(analysis.statistics["entropy"], "normalized entropy", out / images[0], vmin=0, vmax=1)
+    head_grid(grid, "head roles", out / images[1])
+    attention_grid(importance["maps"], path=out / images[2], title=f"attention: {importance['top']['sentence'][:80]}")
+    if analysis.syntax is not None:
+        images.append("parent_accuracy.png")
+        title = "parent accuracy (dependent to head)"
+        head_grid(analysis.syntax.accuracy, title, out / images[-1], cmap="magma", vmin=0, vmax=1)
+    return images
+
+
+def _summary(
+    analysis: Analysis,
+    roles: Any,
+    relations: list[dict[str, Any]],
+    meta: dict[str, Any],
+    collapsed: list[int],
+    collapse_threshold: float,
+    importance: dict[str, Any],
+    images: list[str],
+) -> str:
+    rate = analysis.tokens / analysis.seconds if analysis.seconds else math.nan
+    lines = [
+        f"# Attention analysis: {meta['model']}",
+        "",
+        f"Data: {meta['data']}: {analysis.sequences} sentences, {analysis.tokens} tokens. "
+        f"Analysis pass: {analysis.seconds:.1f} s ({rate:.0f} tokens/s). Heads are `layer-head`, 0-based.",
+        "",
+    ]
+    syntax = analysis.syntax
+    if syntax is not None:
+        summary = syntax.summary()
+        forward, reverse = summary["dependent_to_head"], summary["head_to_dependent"]
+        best = f"best fixed offset {summary['best_offset']['offset']:+d} with {summary['best_offset']['accuracy']}%."
+        if syntax.causal:
+            text = (
+                "A causal model: a word attends only to words at or before it, so a dependent can find its head "
+                f"only to its left ({forward['words']} of {syntax.words} words, {forward['share']}%) and a head its "
+                f"dependent only to its left ({reverse['words']} words, {reverse['share']}%); each accuracy is over "
+                f"those words. Best single head, dependent to head: {forward['head']} with {forward['accuracy']}%; "
+                f"head to dependent: {reverse['head']} with {reverse['accuracy']}%. Left-branching baseline "
+                f"{summary['left_branching']}%, {best.replace('fixed offset', 'left offset')}"
+            )
+        else:
+            text = (
+                f"Best single head, dependent to head: {forward['head']} with {forward['accuracy']}% parent accuracy "
+                f"over {syntax.words} words; head to dependent: {reverse['head']} with {reverse['accuracy']}%. "
+                f"Right-branching baseline {summary['right_branching']}%, left-branching {summary['left_branching']}%, "
+                f"{best}"
+            )
+        reachable = " (reachable: dependent → head, head → dependent)" if syntax.causal else ""
+        lines += [
+            "## Syntax (word-level, Clark et al. 2019)",
+            "",
+            text,
+            "",
+            f"| relation | words{reachable} | dependent → head | head → dependent | best offset baseline |",
+            "|---|---:|---|---|---|",
+        ]
+        for row in relations:
+            words = f"{row['words']}"
+            if syntax.causal:
+                words += f" ({row['dependent_to_head_words']}, {row['head_to_dependent_words']})"
+            lines.append(
+                f"| {row['relation']} | {words} | {row['dependent_to_head_head']}: "
+                f"{row['dependent_to_head_accuracy']} | {row['head_to_dependent_head']}: "
+                f"{row['head_to_dependent_accuracy']} | {row['baseline_accuracy']} ({row['baseline_offset']:+d}) |"
+            )
+        lines.append("")
+    counts = ", ".join(f"{name} {count}" for name, count in roles.counts().items() if count)
+    lines += ["## Head roles", "", f"{counts} (thresholds: {vars(roles.thresholds)}).", ""]
+    notable = [role for role in roles.heads if role.primary not in ("other", "pruned")]
+    for role in notable[:24]:
+        lines.append(f"- {role.layer}-{role.head} **{role.primary}**: {role.evidence}")
+    if len(notable) > 24:
+        lines.append(f"- ... {len(notable) - 24} more in roles.csv")
+    statistics = analysis.statistics
+    similarity = analysis.similarity.mean.tolist() if analysis.similarity is not None else None
+    header = " | ".join(name.replace("_", " ") for name in SUMMARY_STATISTICS)
+    lines += ["", "## Per layer (mean over heads)", "", f"| layer | {header} | token similarity |"]
+    lines.append("|---" + "|---:" * (len(SUMMARY_STATISTICS) + 1) + "|")
+    for layer in range(statistics["entropy"].shape[0]):
+        values = " | ".join(f"{float(statistics[name][layer].nanmean()):.3f}" for name in SUMMARY_STATISTICS)
+        tail = f"{similarity[layer + 1]:.3f}" if similarity is not None else ""
+        lines.append(f"| {layer} | {values} | {tail} |")
+    if similarity is not None:
+        flagged = ", ".join("embeddings" if i == 0 else f"layer {i - 1}" for i in collapsed) or "none"
+        lines += [
+            "",
+            f"Representation collapse (mean cosine similarity between token states above {collapse_threshold}): "
+            f"{flagged}. Embedding output: {similarity[0]:.3f}.",
+        ]
+    top = importance["top"]
+    ranked = ", ".join(f"`{item['token']}` {item['importance']:.3f}" for item in top["tokens"])
+    lines += ["", "## Token importance (attention of the summary token)", "", f'"{top["sentence"]}": {ranked}', ""]
+    if images:
+        lines += ["## Figures", ""] + [f"![{Path(name).stem}]({name})" for name in images] + [""]
+    return "\n".join(lines)
+
+
+def _round(value: torch.Tensor) -> float | None:
+    number = float(value)
+    return None if math.isnan(number) else round(number, 4)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `attnreg-analyze`, with an option per role threshold (`--broad 0.9`).
+
+    Example:
+        >>> args = build_parser().parse_args(["run.ckpt", "dev.conllu", "--base", "./minilm", "--limit", "500",
+        ...                                   "--broad", "0.9"])
+        >>> args.model, args.data, args.base, args.limit, args.data_format, args.out, args.broad, args.no_plots
+        ('run.ckpt', 'dev.conllu', './minilm', 500, 'auto', 'attnreg-report', 0.9, False)
+    """
+    parser = argparse.ArgumentParser(
+        prog="attnreg-analyze",
+        description="Analyze the attention heads of a model on sentences and write a report folder.",
+    )
+    parser.add_argument("model", help="model directory, Lightning .ckpt (with --base), or Hugging Face Hub name")
+    parser.add_argument("data", help="CoNLL-U file (.conllu, .conllu.gz) or text file with one sentence per line")
+    parser.add_argument("--out", default="attnreg-report", help="report folder (created)")
+    parser.add_argument("--base", help="for a .ckpt: the model directory or name it was fine-tuned from")
+    parser.add_argument("--tokenizer", help="tokenizer directory or name (default: the model's)")
+    parser.add_argument("--format", choices=["auto", "conllu", "text"], default="auto", dest="data_format")
+    parser.add_argument("--limit", type=int, help="analyze only the first N sentences")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=128, help="token limit per sentence")
+    parser.add_argument("--example", type=int, default=0, help="index of the sentence drawn as heatmaps")
+    parser.add_argument("--table-min-words", type=int, default=20, help="relations in the table need this many words")
+    parser.add_argument("--collapse-threshold", type=float, default=0.9, help="token cosine similarity flagged")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
+    group = parser.add_argument_group("role thresholds (attnreg.analysis.RoleThresholds)")
+    for name, value in vars(RoleThresholds()).items():
+        group.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=f"default {value}")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `attnreg-analyze`: returns 0, or exits with status 2 and the reason when MODEL or DATA
+    cannot be used (the module docstring shows a full run).
+
+    Example:
+        >>> import contextlib, sys, tempfile
+        >>> folder = tempfile.mkdtemp()                                # no saved model in it
+        >>> with contextlib.redirect_stderr(sys.stdout):
+        ...     try:
+        ...         main([folder, folder + "/dev.conllu"])
+        ...     except SystemExit as stop:
+        ...         print("exit status", stop.code)
+        attnreg-analyze: error: /... is a directory without config.json: not a saved transformers model
+        exit status 2
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model, tokenizer = load_model(args.model, args.base, args.tokenizer)
+        sentences = load_sentences(args.data, args.data_format, args.limit)
+        _check_tokenizer(tokenizer, sentences)
+    except InputError as error:
+        parser.exit(2, f"attnreg-analyze: error: {error}\n")
+    if not 0 <= args.example < len(sentences):
+        parser.exit(
+            2, f"attnreg-analyze: error: --example {args.example} is not among the {len(sentences)} sentences\n"
+        )
+    model.to(args.device)
+    thresholds = RoleThresholds(**{name: getattr(args, name) for name in vars(RoleThresholds())})
+    started = time.perf_counter()
+    analysis = analyze(model, tokenizer, sentences, batch_size=args.batch_size, max_length=args.max_length)
+    meta = {"model": args.model, "data": str(args.data), "device": args.device, "threads": torch.get_num_threads()}
+    out = write_report(
+        analysis,
+        args.out,
+        model,
+        tokenizer,
+        sentences[args.example],
+        meta,
+        thresholds,
+        min_relation_words=args.table_min_words,
+        collapse_threshold=args.collapse_threshold,
+        plots=not args.no_plots,
+    )
+    print(f"analyzed {analysis.sequences} sentences in {time.perf_counter() - started:.1f} s; report in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

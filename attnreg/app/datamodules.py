@@ -1,0 +1,392 @@
+"""Lightning data modules for the training app: the built-in agreement task, CoLA and SST-2 from a
+local directory, and any `datasets` hub dataset.
+
+Each module takes an optional `tokenizer` (a pretrained model's); without one it builds a word-level
+tokenizer (`attnreg.app.task.build_tokenizer`) from its own vocabulary, for randomly initialised models.
+With `with_prior=True` batches carry the syntax prior (`batch["attnreg_prior"]`, see
+`attnreg.syntax.SyntaxCollator`); sentences without gold trees are parsed with spaCy then.
+Besides the loaders, each module names its `eval_sets()` (accuracy in the run summary) and its
+`tree_sentences()` (held-out sentences with trees, for parent accuracy).
+
+Example:
+    >>> import torch
+    >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0, batch_size=4)
+    >>> data.setup("fit"); _ = torch.manual_seed(0)       # the training loader shuffles with torch's generator
+    >>> batch = next(iter(data.train_dataloader()))   # input_ids, attention_mask, labels, attnreg_prior
+    >>> sorted(batch), batch["input_ids"].shape
+    (['attention_mask', 'attnreg_prior', 'input_ids', 'labels'], torch.Size([4, 16]))
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from tokenizers import pre_tokenizers
+from torch.utils.data import DataLoader, Dataset
+from transformers import PreTrainedTokenizerBase
+
+from attnreg.app.datasets import read_cola, read_sst2
+from attnreg.app.task import MASK, Grammar, build_tokenizer, make_splits, vocabulary
+from attnreg.syntax.data import SyntaxCollator, SyntaxDataset
+from attnreg.syntax.priors import SyntaxPrior
+from attnreg.syntax.trees import Sentence
+
+
+class TextDataset(Dataset):
+    """Texts with labels; items are `{"text": str, "label": int}`.
+
+    Example:
+        >>> TextDataset(["a fine film", "dull"], [1, 0])[0]
+        {'text': 'a fine film', 'label': 1}
+    """
+
+    def __init__(self, texts: Sequence[str], labels: Sequence[int]) -> None:
+        if len(texts) != len(labels):
+            raise ValueError(f"{len(labels)} labels for {len(texts)} texts")
+        self.texts, self.labels = list(texts), list(labels)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"text": self.texts[index], "label": self.labels[index]}
+
+
+class TextCollator:
+    """Tokenizes a batch of `TextDataset` items (padding, truncation to `max_length`) and adds `labels`.
+
+    Example:
+        >>> collate = TextCollator(build_tokenizer(["a", "b", "c"]), max_length=16)
+        >>> batch = collate(TextDataset(["a b", "c"], [1, 0]))
+        >>> batch["input_ids"], batch["labels"]
+        (tensor([[2, 5, 6, 3],
+                [2, 7, 3, 0]]), tensor([1, 0]))
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None = 128) -> None:
+        self.tokenizer, self.max_length = tokenizer, max_length
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.tokenizer(
+            [example["text"] for example in examples],
+            padding=True,
+            truncation=self.max_length is not None,
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
+        batch = dict(batch)
+        batch["labels"] = torch.as_tensor([example["label"] for example in examples])
+        return batch
+
+
+class ClassificationDataModule(L.LightningDataModule):
+    """Shared loaders and tokenizer handling; subclasses fill `self.datasets` in `setup`.
+
+    Example:
+        >>> class Tiny(ClassificationDataModule):
+        ...     def setup(self, stage=None):
+        ...         self.datasets = {"train": TextDataset(["a b", "b"], [1, 0]), "val": TextDataset(["a"], [1])}
+        >>> data = Tiny(tokenizer=build_tokenizer(["a", "b"]), batch_size=2)
+        >>> data.setup(); sorted(next(iter(data.train_dataloader())))
+        ['attention_mask', 'input_ids', 'labels']
+        >>> data.tree_sentences() is None             # no trees: no parent accuracy for it
+        True
+    """
+
+    num_labels = 2
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        with_prior: bool = False,
+        prior: str | Mapping[str, Any] = "parent",
+        batch_size: int = 32,
+        eval_batch_size: int = 128,
+        max_length: int | None = 128,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self._tokenizer = tokenizer
+        self.with_prior = with_prior
+        self.prior = SyntaxPrior(prior) if isinstance(prior, str) else SyntaxPrior(**prior)
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.max_length, self.num_workers = max_length, num_workers
+        self.datasets: dict[str, Dataset] = {}
+        self._collate: Callable | None = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer given, else one built from this data's vocabulary (on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = self.build_tokenizer()
+        return self._tokenizer
+
+    def build_tokenizer(self) -> PreTrainedTokenizerBase:
+        """A tokenizer from this data's own vocabulary; each data module defines it (abstract here)."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_tokenizer() or be given a tokenizer")
+
+    def collator(self) -> Callable:
+        """The collate function of every loader, built once, so that a `SyntaxCollator`'s counts (and its
+        dropped-arcs warning) cover the whole run."""
+        if self._collate is None:
+            self._collate = self.build_collator()
+        return self._collate
+
+    def build_collator(self) -> Callable:
+        if self.with_prior:
+            return SyntaxCollator(self.tokenizer, prior=self.prior, max_length=self.max_length)
+        return TextCollator(self.tokenizer, max_length=self.max_length)
+
+    def loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        if split not in self.datasets:
+            raise KeyError(
+                f"{type(self).__name__} has no split {split!r} (has {sorted(self.datasets)}); run setup() first"
+            )
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.batch_size if shuffle else self.eval_batch_size,
+            shuffle=shuffle,
+            collate_fn=self.collator(),
+            num_workers=self.num_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader("val")
+
+    def eval_sets(self) -> dict[str, DataLoader]:
+        """Held-out loaders whose accuracy the run summary reports, by name."""
+        return {"val": self.loader("val")}
+
+    def tree_sentences(self) -> list[Sentence] | None:
+        """Held-out sentences with trees for parent accuracy (None when this data has none)."""
+        val = self.datasets.get("val")
+        return list(val.sentences) if isinstance(val, SyntaxDataset) else None
+
+
+class AgreementDataModule(ClassificationDataModule):
+    """The built-in agreement task (`attnreg.app.task`): train/val/test sentences with 0-1 distractor verbs,
+    `hard` with 2. Gold trees come with the sentences, so the prior is always available; `with_prior`
+    only decides whether batches carry it (the default: yes).
+
+    Example:
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0); data.setup("fit")
+        >>> sorted(data.eval_sets()), len(data.tree_sentences()), len(data.tokenizer)
+        (['hard', 'test', 'val'], 4, 58)
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, with_prior=False); data.setup("fit")
+        >>> sorted(next(iter(data.loader("val"))))    # no prior in the batches
+        ['attention_mask', 'input_ids', 'labels']
+    """
+
+    def __init__(
+        self,
+        train: int = 500,
+        val: int = 200,
+        test: int = 500,
+        hard: int = 500,
+        seed: int = 0,
+        grammar: Mapping[str, Any] | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        with_prior: bool = True,
+        prior: str | Mapping[str, Any] = "parent",
+        batch_size: int = 32,
+        eval_batch_size: int = 128,
+        max_length: int | None = 64,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(tokenizer, with_prior, prior, batch_size, eval_batch_size, max_length, num_workers)
+        self.sizes = {"train": train, "val": val, "test": test, "hard": hard}
+        self.seed = seed
+        self.grammar = Grammar(**(grammar or {}))
+
+    def build_tokenizer(self) -> PreTrainedTokenizerBase:
+        return build_tokenizer(vocabulary(self.grammar))
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        mask = self.tokenizer.mask_token or MASK
+        splits = make_splits(**self.sizes, seed=self.seed, grammar=self.grammar, mask=mask)
+        self.datasets = {
+            name: SyntaxDataset([e.sentence for e in split], [e.label for e in split]) for name, split in splits.items()
+        }
+
+    def build_collator(self) -> Callable:
+        if self.with_prior:
+            return super().build_collator()
+        return _SentenceTexts(TextCollator(self.tokenizer, max_length=self.max_length))
+
+    def test_dataloader(self) -> list[DataLoader]:
+        return [self.loader("test"), self.loader("hard")]
+
+    def eval_sets(self) -> dict[str, DataLoader]:
+        return {name: self.loader(name) for name in ("val", "test", "hard")}
+
+    def tree_sentences(self) -> list[Sentence]:
+        return list(self.datasets["test"].sentences)
+
+
+class _SentenceTexts:
+    """Feeds `SyntaxDataset` items to a `TextCollator` (the text of each sentence, no prior)."""
+
+    def __init__(self, collate: TextCollator) -> None:
+        self.collate = collate
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        return self.collate([{"text": e["sentence"].text, "label": e["label"]} for e in examples])
+
+
+class TextDataModule(ClassificationDataModule):
+    """Texts with labels read by `read(split)` for "train" and "val"; parsed with spaCy
+    (`attnreg.syntax.parse_texts`, the `parse` extra) when `with_prior`. `limit_train` keeps the first n
+    training texts (quick runs). Without a tokenizer, a word-level one is built from the training
+    texts: their `vocab_size` most frequent words.
+
+    Example:
+        >>> class Reviews(TextDataModule):
+        ...     def read(self, split):
+        ...         return {"train": (["a fine film", "dull"], [1, 0]), "val": (["fine"], [1])}[split]
+        >>> data = Reviews(limit_train=1, batch_size=2)
+        >>> data.setup(); data.tokenizer.tokenize("a fine film")
+        ['a', 'fine', 'film']
+        >>> len(data.datasets["train"]), next(iter(data.val_dataloader()))["input_ids"]
+        (1, tensor([[2, 6, 3]]))
+    """
+
+    def __init__(self, limit_train: int | None = None, vocab_size: int = 8000, **loader_options: Any) -> None:
+        super().__init__(**loader_options)
+        self.limit_train, self.vocab_size = limit_train, vocab_size
+
+    def read(self, split: str) -> tuple[list[str], list[int]]:
+        """Texts and labels of `split` ("train", "val"); each text data module defines it (abstract here)."""
+        raise NotImplementedError(f"{type(self).__name__} must define read(split)")
+
+    def training_texts(self) -> tuple[list[str], list[int]]:
+        texts, labels = self.read("train")
+        return (texts, labels) if self.limit_train is None else (texts[: self.limit_train], labels[: self.limit_train])
+
+    def build_tokenizer(self) -> PreTrainedTokenizerBase:
+        return build_tokenizer(frequent_words(self.training_texts()[0], self.vocab_size))
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        for split, (texts, labels) in (("train", self.training_texts()), ("val", self.read("val"))):
+            if self.with_prior:
+                from attnreg.syntax.parse import parse_texts
+
+                self.datasets[split] = SyntaxDataset(parse_texts(texts), labels)
+            else:
+                self.datasets[split] = TextDataset(texts, labels)
+
+
+class LocalGlueDataModule(TextDataModule):
+    r"""CoLA or SST-2 from a local directory (`attnreg.app.datasets`); validation is the dev set.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())                             # the SST-2 folder
+        >>> _ = (folder / "train.tsv").write_text("sentence\tlabel\na fine film\t1\ndull .\t0\n")
+        >>> _ = (folder / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
+        >>> data = LocalGlueDataModule("sst2", folder, batch_size=2)      # with_prior=True parses with spaCy
+        >>> data.setup(); sorted(data.datasets), data.tokenizer.tokenize("a dull film")
+        (['train', 'val'], ['a', 'dull', 'film'])
+    """
+
+    READERS = {"cola": read_cola, "sst2": read_sst2}
+
+    def __init__(self, task: str, data_dir: str | Path, **options: Any) -> None:
+        if task not in self.READERS:
+            raise ValueError(f"task must be one of {sorted(self.READERS)}, got {task!r}")
+        data_dir = Path(data_dir)
+        if not data_dir.is_dir():
+            raise FileNotFoundError(
+                f"data_dir {str(data_dir)!r} (resolved: {data_dir.resolve()}) does not exist: data={task} reads "
+                f"{task.upper()} from a local directory; set data.data_dir=/path/to/{task} "
+                "(or the environment variable ATTNREG_DATA_DIR to the folder holding it)"
+            )
+        super().__init__(**options)
+        self.task, self.data_dir = task, data_dir
+
+    def read(self, split: str) -> tuple[list[str], list[int]]:
+        return self.READERS[self.task](self.data_dir, {"train": "train", "val": "dev"}[split])
+
+
+class HubDataModule(TextDataModule):
+    """Any text-classification dataset that `datasets.load_dataset(path, name)` loads (a hub name, or a
+    builder such as "csv" with `data_files` for local files). Needs `pip install datasets`.
+
+    Example:
+        >>> data = HubDataModule("glue", name="sst2", text_field="sentence")      # loads when set up
+        >>> data.splits, data.fields
+        ({'train': 'train', 'val': 'validation'}, ('sentence', 'label'))
+        >>> data = HubDataModule("csv", data_files={"train": "train.csv", "validation": "dev.csv"}, text_field="text")
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        data_files: Any = None,
+        text_field: str = "text",
+        label_field: str = "label",
+        train_split: str = "train",
+        val_split: str = "validation",
+        num_labels: int = 2,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.path, self.name, self.data_files = path, name, data_files
+        self.fields = (text_field, label_field)
+        self.splits = {"train": train_split, "val": val_split}
+        self.num_labels = num_labels
+        self._loaded: dict[str, tuple[list[str], list[int]]] = {}
+
+    def read(self, split: str) -> tuple[list[str], list[int]]:
+        if split not in self._loaded:
+            dataset = _load_hub_dataset(self.path, self.name, self.data_files, self.splits[split])
+            missing = [field for field in self.fields if field not in dataset.column_names]
+            if missing:
+                raise KeyError(
+                    f"dataset {self.path!r} split {self.splits[split]!r} has no column {missing}; its columns are "
+                    f"{dataset.column_names} (set data.text_field / data.label_field)"
+                )
+            text_field, label_field = self.fields
+            self._loaded[split] = (list(dataset[text_field]), [int(label) for label in dataset[label_field]])
+        return self._loaded[split]
+
+
+def _load_hub_dataset(path: str, name: str | None, data_files: Any, split: str) -> Any:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError("data=hf_dataset needs the datasets library: pip install datasets") from error
+    try:
+        return datasets.load_dataset(path, name, data_files=data_files, split=split)
+    except (ConnectionError, OSError) as error:
+        raise OSError(
+            f"could not load dataset {path!r} (name={name!r}, split={split!r}) offline: it needs a download from the "
+            "Hugging Face Hub. Download it where there is network, or point data.path at a local builder and files "
+            "(data.path=csv data.data_files={train: train.csv, validation: dev.csv})"
+        ) from error
+
+
+_WORDS = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+
+
+def frequent_words(texts: Sequence[str], limit: int) -> list[str]:
+    """The `limit` most frequent words of `texts` (split as `build_tokenizer` splits), most frequent first.
+
+    Example:
+        >>> frequent_words(["a b a", "b a ."], 2)
+        ['a', 'b']
+    """
+    counts = collections.Counter(word for text in texts for word, _ in _WORDS.pre_tokenize_str(text))
+    return [word for word, _ in counts.most_common(limit)]

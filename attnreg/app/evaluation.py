@@ -1,0 +1,175 @@
+"""What the training app measures on a fitted model: accuracy, attention entropy per layer, parent
+accuracy of chosen heads against gold trees, and the heads pruning removed.
+
+Each helper takes a transformers model and held-out data, leaves the model's train/eval mode as it
+found it, and returns plain numbers (JSON-ready: a removed head reads None).
+
+Example:
+    >>> from attnreg.app.datamodules import AgreementDataModule
+    >>> from attnreg.tiny import tiny_model
+    >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0); data.setup("fit")
+    >>> model = tiny_model("bert", head="classification", vocab=len(data.tokenizer))
+    >>> accuracy(model, data.loader("val"))
+    0.25
+    >>> [round(value, 3) for value in layer_entropy(model, data.loader("val"))]   # an untrained model: uniform
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from attnreg.analysis import parent_accuracy
+from attnreg.heads import head_numbers, pruned_heads
+from attnreg.hub import attach
+from attnreg.losses import attention_entropy
+from attnreg.methods.pruning import count_parameters
+
+
+@torch.no_grad()
+def accuracy(model: PreTrainedModel, loader: DataLoader) -> float:
+    """Share of examples whose argmax logit is the label (model in eval mode meanwhile).
+
+    Example:
+        >>> from attnreg.app.datamodules import AgreementDataModule
+        >>> from attnreg.tiny import tiny_model
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0); data.setup("fit")
+        >>> model = tiny_model("bert", head="classification", vocab=len(data.tokenizer))
+        >>> accuracy(model, data.loader("hard")), model.training     # its mode is restored
+        (0.0, True)
+    """
+    inputs = _input_names(model)
+    correct = total = 0
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in loader:
+            logits = model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"}).logits
+            correct += int((logits.argmax(-1).cpu() == batch["labels"]).sum())
+            total += len(batch["labels"])
+    finally:
+        model.train(was_training)
+    return correct / max(total, 1)
+
+
+@torch.no_grad()
+def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int = 4) -> list[float]:
+    """Normalized attention entropy per layer (mean over heads and rows; 1 = uniform) on `loader`.
+
+    Example:
+        >>> from attnreg.app.datamodules import AgreementDataModule
+        >>> from attnreg.tiny import tiny_model
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0); data.setup("fit")
+        >>> model = tiny_model("bert", head="classification", vocab=len(data.tokenizer))
+        >>> [round(value, 3) for value in layer_entropy(model, data.loader("val"), max_batches=1)]
+        [1.0, 1.0]
+    """
+    hub = attach(model)
+    inputs = _input_names(model)
+    totals = torch.zeros(hub.num_layers)
+    batches = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with hub.capture() as probs:
+            for batch in loader:
+                model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"})
+                mask = batch["attention_mask"].to(model.device)
+                for layer in range(hub.num_layers):
+                    entropy = attention_entropy(
+                        probs[layer], mask, hub.family.causal, True, layer_mask=probs.attention_mask(layer)
+                    )
+                    totals[layer] += float(entropy.mean())
+                batches += 1
+                if batches == max_batches:
+                    break
+    finally:
+        model.train(was_training)
+    return (totals / max(batches, 1)).tolist()
+
+
+def pruning_report(model: PreTrainedModel) -> dict[str, Any] | None:
+    """The heads removed (original numbers per layer), the heads left and the parameter count; None when
+    no head was removed.
+
+    Example:
+        >>> from attnreg.methods.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> pruning_report(model) is None
+        True
+        >>> report = prune_heads(model, {0: [1, 3]})
+        >>> pruning_report(model)
+        {'removed': {'0': [1, 3]}, 'heads_left': [2, 4], 'parameters': 23506}
+    """
+    removed = pruned_heads(model)
+    if not removed:
+        return None
+    layers = attach(model).num_layers
+    return {
+        "removed": {str(layer): list(heads) for layer, heads in removed.items()},
+        "heads_left": [len(head_numbers(model, layer)) for layer in range(layers)],
+        "parameters": count_parameters(model),
+    }
+
+
+def head_report(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sentences: list[Any],
+    supervised: Mapping[int, list[int] | None],
+    max_length: int | None,
+) -> dict[str, Any]:
+    """Word-level parent accuracy of the `supervised` heads ({layer: heads}, None = all) and of the best
+    head, with the right-branching baseline (for a decoder: the left-branching one and the share of words
+    whose parent is to their left, over which its accuracy is), on `sentences` (gold trees).
+
+    Example:
+        >>> from attnreg.app.datamodules import AgreementDataModule
+        >>> from attnreg.tiny import tiny_model
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0); data.setup("fit")
+        >>> model = tiny_model("bert", head="classification", vocab=len(data.tokenizer))
+        >>> report = head_report(model, data.tokenizer, data.tree_sentences(), {0: [0], 1: [0]}, max_length=64)
+        >>> sorted(report["supervised"]), report["sentences"], len(report["per_head"])
+        (['L0H0', 'L1H0'], 4, 2)
+    """
+    result = parent_accuracy(model, tokenizer, sentences, max_length=max_length)
+    table = result.accuracy
+    chosen = {
+        f"L{layer}H{head}": _number(table[layer, head])
+        for layer, heads in sorted(supervised.items())
+        for head in (range(table.shape[1]) if heads is None else heads)
+    }
+    present = [value for value in chosen.values() if value is not None]  # removed heads read None
+    layer, head, best = result.best_head()
+    report = {
+        "sentences": len(sentences),
+        "supervised": chosen,
+        "supervised_mean": round(sum(present) / len(present), 4) if present else None,
+        "best_head": f"L{layer}H{head}",
+        "best": _number(best),
+        "per_head": [[_number(value) for value in row] for row in table],
+    }
+    if result.causal:  # a decoder: accuracy is over parents to the left, the baseline a left offset
+        report["reachable_share"] = round(result.reachable_share(), 4)
+        report["left_branching"] = round(result.baseline(-1), 4)
+    else:
+        report["right_branching"] = round(result.baseline(1), 4)
+    return report
+
+
+def _number(value: Any) -> float | None:
+    """A rounded float, or None for NaN (a removed head), so that summary.json stays valid JSON."""
+    value = float(value)
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _input_names(model: PreTrainedModel) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)

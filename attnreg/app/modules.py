@@ -1,0 +1,173 @@
+"""A ready LightningModule for sentence classification with any supported transformers model.
+
+It already uses `attnreg.AttnRegMixin`, so every attnreg callback works with it; batch keys that
+the model's forward does not take (the syntax prior, say) are kept away from the model.
+
+Example:
+    >>> from torch.utils.data import DataLoader
+    >>> from attnreg import SyntaxPriorKL
+    >>> from attnreg.syntax import SyntaxCollator
+    >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
+    >>> from attnreg.tiny import tiny_model
+    >>> tokenizer = build_tokenizer(vocabulary())
+    >>> data = [{"sentence": example.sentence, "label": example.label} for example in generate(8, seed=0)]
+    >>> loader = DataLoader(data, batch_size=4, collate_fn=SyntaxCollator(tokenizer))
+    >>> module = SequenceClassifier(tiny_model("bert", head="classification", vocab=len(tokenizer)), lr=1e-3)
+    >>> trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    ...                     enable_model_summary=False, callbacks=[SyntaxPriorKL(layers=[1], heads=[0])])
+    >>> trainer.fit(module, loader)
+    >>> sorted(trainer.callback_metrics)
+    ['attnreg/prior_kl', 'attnreg/prior_kl/layer1', 'train/loss']
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from transformers import PreTrainedModel, get_linear_schedule_with_warmup
+
+from attnreg.hub import is_attached
+from attnreg.methods.distillation import check_distillation, distillation_loss
+from attnreg.methods.pruning import gate_parameters
+from attnreg.mixin import AttnRegMixin
+
+
+class SequenceClassifier(AttnRegMixin, L.LightningModule):
+    """Fine-tunes `model` (a `...ForSequenceClassification`) with AdamW and linear warmup then decay.
+
+    attnreg's head gates (`HeadGating`) get a group of their own, named "gates", at `gate_lr` (default
+    `lr`; gates usually need a far larger one) without weight decay. Logs `train/loss`, and `val/loss`,
+    `val/acc`, `val/mcc` (Matthews correlation) each epoch.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> module = SequenceClassifier(tiny_model("bert", head="classification"), lr=1e-3, gate_lr=0.1)
+        >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1]),
+        ...          "attnreg_prior": torch.tensor([[-1, 2, 1, -1]])}
+        >>> sorted(module.model_inputs(batch))           # the prior is kept away from the model
+        ['input_ids', 'labels']
+        >>> module(batch).logits.shape
+        torch.Size([1, 2])
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        warmup: float = 0.1,
+        gate_lr: float | None = None,
+    ):
+        super().__init__()
+        self.model = model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes
+        self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
+        self.gate_lr = lr if gate_lr is None else gate_lr
+        self.save_hyperparameters(ignore=["model", "teacher"])  # modules, not hyperparameters (Distiller's teacher)
+        classes = model.config.num_labels
+        task = "binary" if classes == 2 else "multiclass"
+        self.val_acc = torchmetrics.Accuracy(task=task, num_classes=classes)
+        self.val_mcc = torchmetrics.MatthewsCorrCoef(task=task, num_classes=classes)
+        self._inputs = set(inspect.signature(model.forward).parameters)
+
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The entries of `batch` the model's forward accepts."""
+        return {key: value for key, value in batch.items() if key in self._inputs}
+
+    def forward(self, batch: dict[str, Any]) -> Any:
+        return self.model(**self.model_inputs(batch))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        output = self(batch)
+        predictions = output.logits.argmax(-1)
+        self.val_acc.update(predictions, batch["labels"])
+        self.val_mcc.update(predictions, batch["labels"])
+        self.log("val/loss", output.loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+        self.log("val/mcc", self.val_mcc)
+
+    def configure_optimizers(self) -> Any:
+        gates = gate_parameters(self.model)
+        ids = {id(p) for p in gates}
+        no_decay = [
+            p for n, p in self.model.named_parameters() if (p.ndim < 2 or "norm" in n.lower()) and id(p) not in ids
+        ]
+        ids |= {id(p) for p in no_decay}
+        decay = [p for p in self.parameters() if id(p) not in ids]
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+            {"params": gates, "weight_decay": 0.0, "lr": self.gate_lr, "name": "gates"},
+        ]
+        # An attached model keeps its gates group even when empty, as in attnreg.methods.layerwise_lr: a resumed
+        # optimizer must have the groups of its checkpoint, taken before or after gates were folded.
+        kept = [group for group in groups if group["params"] or (group["name"] == "gates" and is_attached(self.model))]
+        optimizer = torch.optim.AdamW(kept, lr=self.lr)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = get_linear_schedule_with_warmup(optimizer, int(self.warmup * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Distiller(SequenceClassifier):
+    """Trains `model` to match a frozen `teacher` (`attnreg.methods.distillation.distillation_loss`) instead of the
+    labels, which training batches need not have; validation still scores against the labels.
+
+    By default only the softened class distributions are matched; `hidden_weight > 0` adds the
+    layers' hidden states (on SST-2 with MiniLM, logits alone did as well, and cost less). The teacher
+    is kept outside the module: it is not optimized or checkpointed, and it moves to the module's
+    device when fit starts. Logs `train/loss`.
+
+    Example:
+        >>> import copy
+        >>> from attnreg.methods.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> pruned = copy.deepcopy(model)
+        >>> report = prune_heads(pruned, {0: [1, 2], 1: [0]})
+        >>> distiller = Distiller(pruned, teacher=model, temperature=2.0)   # then trainer.fit(distiller, loader)
+        >>> sum(p.numel() for p in distiller.parameters()) == report.parameters_after   # the teacher is not in it
+        True
+        >>> Distiller(model, teacher=model)
+        Traceback (most recent call last):
+        ...
+        ValueError: teacher is the model being trained: pass a copy (e.g. the unpruned model)
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        teacher: PreTrainedModel,
+        temperature: float = 2.0,
+        hidden_weight: float = 0.0,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        warmup: float = 0.1,
+    ):
+        check_distillation(temperature, hidden_weight)
+        super().__init__(model, lr=lr, weight_decay=weight_decay, warmup=warmup)
+        if teacher is model:
+            raise ValueError("teacher is the model being trained: pass a copy (e.g. the unpruned model)")
+        self.teachers = [teacher.eval()]  # a list: not a submodule
+        self.temperature, self.hidden_weight = temperature, hidden_weight
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.teachers[0].to(self.device)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        inputs = {key: value for key, value in self.model_inputs(batch).items() if key != "labels"}
+        hidden = self.hidden_weight > 0
+        with torch.no_grad():
+            target = self.teachers[0](**inputs, output_hidden_states=hidden)
+        output = self.model(**inputs, output_hidden_states=hidden)
+        loss = distillation_loss(output, target, inputs.get("attention_mask"), self.temperature, self.hidden_weight)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        return loss

@@ -1,0 +1,266 @@
+"""Head importance (Michel et al. 2019), choosing heads by score, iterative pruning, and `HeadImportance`,
+the method that runs them at the end of training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnreg.families import detect_family
+from attnreg.heads import HeadSpec, head_numbers
+from attnreg.hub import attach, detach
+from attnreg.methods.base import Loop, Method
+from attnreg.methods.pruning.gates import _hub_or_none
+from attnreg.methods.pruning.surgery import prune_heads
+
+LossFunction = Callable[[Any, Any], torch.Tensor]
+
+
+def head_importance(
+    model: nn.Module,
+    dataloader: Iterable[Any],
+    loss_fn: LossFunction | None = None,
+    masked: HeadSpec | None = None,
+) -> dict[int, torch.Tensor]:
+    """Michel et al. 2019: the expected |dL/dg_h| at gates g = 1, L2-normalized per layer.
+
+    Batches are dicts passed as `model(**batch)`; the loss is `loss_fn(output, batch)` or the
+    model's own `output.loss`. Heads in `masked` (original numbers) are held at g = 0 meanwhile. Runs
+    in eval mode (no dropout); the model's weights, gates, grads and modes are left as they were.
+    Returns one tensor per layer, indexed by the heads' current positions (see `head_numbers`).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> loader = [{"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}]
+        >>> scores = head_importance(model, loader)
+        >>> scores[0].shape, round(float(scores[0].norm()), 4)     # unit L2 norm per layer
+        (torch.Size([4]), 1.0)
+    """
+    totals: dict[int, torch.Tensor] = {}
+    batches = 0
+    with _evaluation_gates(model, masked or {}) as gates:
+        device = next(model.parameters()).device
+        for batch in dataloader:
+            batch = {
+                key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()
+            }
+            output = model(**batch)
+            loss = loss_fn(output, batch) if loss_fn is not None else getattr(output, "loss", None)
+            if loss is None:
+                raise ValueError("head_importance: the model output has no loss; pass loss_fn(output, batch)")
+            layers = list(gates)
+            grads = torch.autograd.grad(loss, [gates[layer] for layer in layers], allow_unused=True)
+            for layer, grad in zip(layers, grads, strict=True):
+                value = torch.zeros_like(gates[layer]) if grad is None else grad.detach().abs()
+                totals[layer] = totals.get(layer, 0) + value.float()
+            batches += 1
+    if batches == 0:
+        raise ValueError("head_importance: the dataloader yielded no batches")
+    return {layer: _unit(total / batches) for layer, total in totals.items()}
+
+
+def _unit(scores: torch.Tensor) -> torch.Tensor:
+    norm = scores.norm()
+    return scores / norm if norm > 0 else scores
+
+
+@contextmanager
+def _evaluation_gates(model: nn.Module, masked: HeadSpec) -> Iterator[dict[int, nn.Parameter]]:
+    """Gates at 1 (0 for `masked` heads) on every layer, with only the gates requiring grad; restores all."""
+    was_attached = _hub_or_none(model) is not None
+    hub = attach(model)
+    for layer, gate in hub.gates.items():
+        if isinstance(gate, nn.Module):
+            raise ValueError(f"layer {layer} has a {type(gate).__name__} gate; fold it first with fold_gates(model)")
+    existing = {layer: gate.detach().clone() for layer, gate in hub.gates.items()}
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    training = model.training
+    gates = {layer: hub.gate(layer) for layer in range(hub.num_layers)}
+    try:
+        model.eval()
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        with torch.no_grad():
+            for layer, gate in gates.items():
+                gate.fill_(1.0)
+                numbers = head_numbers(model, layer)
+                for head in masked.get(layer, ()):
+                    if head in numbers:
+                        gate[numbers.index(head)] = 0.0
+                gate.requires_grad_(True)
+        yield gates
+    finally:
+        for layer, gate in gates.items():
+            if layer in existing:
+                with torch.no_grad():
+                    gate.copy_(existing[layer])
+            else:
+                hub.remove_gate(layer, fold=False)
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(flags.get(name, True))
+        model.train(training)
+        if not was_attached:
+            detach(model)
+
+
+def select_heads(
+    scores: Mapping[int, torch.Tensor], threshold: float | None = None, keep: int | None = None
+) -> dict[int, list[int]]:
+    """Heads to remove, as current positions per layer: those scoring below `threshold`, or all but
+    the `keep` best overall (ties broken by layer then head order). Exactly one of the two is given.
+
+    Example:
+        >>> scores = {0: torch.tensor([0.9, 0.1, 0.5]), 1: torch.tensor([0.2, 0.8, 0.05])}
+        >>> select_heads(scores, keep=3), select_heads(scores, threshold=0.3)
+        ({0: [1], 1: [0, 2]}, {0: [1], 1: [0, 2]})
+    """
+    if (threshold is None) == (keep is None):
+        raise ValueError("give exactly one of threshold= and keep=")
+    if threshold is not None:
+        return {layer: [i for i, s in enumerate(score.tolist()) if s < threshold] for layer, score in scores.items()}
+    flat = [(-float(s), layer, i) for layer, score in scores.items() for i, s in enumerate(score.tolist())]
+    if not 0 <= keep <= len(flat):
+        raise ValueError(f"keep={keep} heads is more than the {len(flat)} heads there are (or negative)")
+    chosen: dict[int, list[int]] = {layer: [] for layer in scores}
+    for _, layer, head in sorted(flat)[keep:]:
+        chosen[layer].append(head)
+    return {layer: sorted(heads) for layer, heads in chosen.items()}
+
+
+@dataclass(frozen=True)
+class PruningStep:
+    """One point of the curve: heads removed so far (original numbers per layer) and the metric.
+
+    Example:
+        >>> PruningStep(heads_removed=2, metric=0.91, removed={0: (1,), 3: (0,)})
+        PruningStep(heads_removed=2, metric=0.91, removed={0: (1,), 3: (0,)})
+    """
+
+    heads_removed: int
+    metric: float
+    removed: dict[int, tuple[int, ...]]
+
+
+def iterative_pruning(
+    model: nn.Module,
+    dataloader: Iterable[Any],
+    metric_fn: Callable[[nn.Module], float],
+    fraction: float = 0.1,
+    stop_ratio: float = 0.9,
+    loss_fn: LossFunction | None = None,
+    apply: bool = True,
+) -> list[PruningStep]:
+    """Michel et al. 2019's iterative pruning: per round, mask the heads with the lowest importance
+    (recomputed with the masks on), round k bringing the heads masked to `round(k * fraction * total)`
+    (at least one more per round), until `metric_fn(model)` (higher is better) falls below
+    `stop_ratio` times its starting value. Returns the metric-versus-heads-removed curve;
+    with `apply`, the last step that stayed above the bar is then removed physically (heads the
+    grouped-query rule keeps are silenced).
+
+    Example:
+        >>> from attnreg.methods.pruning import pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification", layers=1)
+        >>> loader = [{"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}]
+        >>> def accuracy(model):
+        ...     return float((model(**loader[0]).logits.argmax(-1) == loader[0]["labels"]).float().mean())
+        >>> curve = iterative_pruning(model, loader, accuracy, fraction=0.5, apply=False)
+        >>> [(step.heads_removed, step.metric) for step in curve]      # an untrained model needs no head
+        [(0, 0.5), (2, 0.5), (4, 0.5)]
+        >>> pruned_heads(model)                                        # apply=False: only the curve
+        {}
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    family = detect_family(model)
+    total = sum(family.head_counts(family.attention_module(model, i))[0] for i in range(len(family.blocks(model))))
+    start = float(_metric_with_masks(model, metric_fn, {}))
+    curve = [PruningStep(0, start, {})]
+    masked: dict[int, list[int]] = {}
+    best = curve[0]
+    while (done := sum(len(heads) for heads in masked.values())) < total:
+        goal = min(total, max(done + 1, round(len(curve) * fraction * total)))
+        scores = head_importance(model, dataloader, loss_fn, masked=masked)
+        candidates = []
+        for layer, score in scores.items():
+            numbers = head_numbers(model, layer)
+            candidates += [(float(s), layer, numbers[i]) for i, s in enumerate(score.tolist())]
+        candidates = [c for c in sorted(candidates) if c[2] not in masked.get(c[1], [])]
+        for _, layer, head in candidates[: goal - done]:
+            masked.setdefault(layer, []).append(head)
+        metric = float(_metric_with_masks(model, metric_fn, masked))
+        step = PruningStep(
+            sum(len(h) for h in masked.values()), metric, {layer: tuple(sorted(h)) for layer, h in masked.items()}
+        )
+        curve.append(step)
+        if metric < stop_ratio * start:
+            break
+        best = step
+    if apply and best.removed:
+        prune_heads(model, best.removed)
+    return curve
+
+
+def _metric_with_masks(model: nn.Module, metric_fn: Callable[[nn.Module], float], masked: HeadSpec) -> float:
+    with _evaluation_gates(model, masked), torch.no_grad():
+        return metric_fn(model)
+
+
+class HeadImportance(Method):
+    """Scores heads at the end of training and, given `metric_fn`, prunes iteratively until the metric
+    falls below `stop_ratio` of its start (`attnreg.iterative_pruning`).
+
+    `dataloader` yields dict batches for `model(**batch)` (with labels, or pass `loss_fn`).
+    After training: `scores` (per layer, current head positions) and `curve` (`attnreg.PruningStep`s).
+
+    Example:
+        >>> from attnreg.methods.pruning import pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification", layers=1)
+        >>> dev = [{"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}]
+        >>> def accuracy(model):
+        ...     return float((model(**dev[0]).logits.argmax(-1) == dev[0]["labels"]).float().mean())
+        >>> importance = HeadImportance(dev, metric_fn=accuracy, fraction=0.5, stop_ratio=0.9)
+        >>> importance.bind(model); importance.at_end()
+        >>> [(step.heads_removed, step.metric) for step in importance.curve]   # an untrained model needs no head
+        [(0, 0.5), (2, 0.5), (4, 0.5)]
+        >>> pruned_heads(model)
+        {0: (0, 1, 2, 3)}
+    """
+
+    default_name = "head_importance"
+
+    def __init__(
+        self,
+        dataloader: Iterable[Any],
+        loss_fn: LossFunction | None = None,
+        metric_fn: Callable[[torch.nn.Module], float] | None = None,
+        fraction: float = 0.1,
+        stop_ratio: float = 0.9,
+    ) -> None:
+        super().__init__()
+        self.dataloader, self.loss_fn, self.metric_fn = dataloader, loss_fn, metric_fn
+        self.fraction, self.stop_ratio = fraction, stop_ratio
+        self.scores: dict[int, torch.Tensor] = {}
+        self.curve: list[PruningStep] = []
+
+    def identity(self) -> dict[str, Any]:
+        return {"fraction": self.fraction, "stop_ratio": self.stop_ratio}
+
+    def on_fit_end(self, loop: Loop) -> None:
+        self.at_end()
+
+    def at_end(self) -> None:
+        """Score the heads (and prune iteratively, given `metric_fn`); call once training is over."""
+        model = self.require_bound()
+        self.scores = head_importance(model, self.dataloader, self.loss_fn)
+        if self.metric_fn is not None:
+            self.curve = iterative_pruning(
+                model, self.dataloader, self.metric_fn, self.fraction, self.stop_ratio, self.loss_fn
+            )

@@ -1,0 +1,675 @@
+"""Soft head pruning as a method object: trainable per-head gates with a sparsity penalty, then
+physical removal of the heads whose gates closed, with the optimizer's state sliced along.
+
+Three small configs, each a frozen dataclass a Hydra config can name:
+
+- `L1Gates`: gates start at 1; penalty `weight * sum |g|` (divided by the number of gated heads with
+  `normalize`); scores `|g|`.
+- `HardConcreteGates`: L0 gates (Louizos et al. 2018, as Voita et al. 2019); penalty `weight * expected
+  L0`. With `Removal(keep=K)` (or milestones), CoFi's Lagrangian replaces it (Xia et al. 2022, see
+  `HardConcreteGates`): `l1 g + l2 g^2` with `g = s - t` in heads, `s` the expected number of open heads,
+  `t` a target falling linearly to K over the first `target_warmup` of training; the multipliers `l1, l2`
+  are trained by gradient *ascent* with their own Adam (`lagrangian_lr`), once per optimizer step;
+  scores: the deterministic gate.
+- `Removal`: which heads go (all but the `keep` best, else those scoring below `threshold`; never those
+  in `protect`, `{layer: [original head numbers]}`, such as the heads a syntax prior supervises) and when
+  (the end of training by default; `after_steps` optimizer steps or `after_epochs` epochs; or
+  progressively at `milestones`, `(progress, heads kept)` pairs).
+
+Grouped-query layers follow `attnreg.methods.pruning.prune_heads`: a chosen query head whose key/value group
+stays is silenced exactly, and chosen again in a later round.
+
+Example (what an adapter does; `attnreg.HeadGating` is the Lightning one):
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("bert", head="classification").train()      # 2 layers x 4 heads
+    >>> gating = HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=5))
+    >>> gating.bind(model, taken=set()); gating.start(estimated_steps=4)
+    >>> optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    >>> batch = {"input_ids": torch.randint(3, 99, (2, 6)), "labels": torch.tensor([0, 1])}
+    >>> for step in range(4):
+    ...     value, figures = gating.term(None, batch, step)    # the penalty, every micro-batch
+    ...     (model(**batch).loss + value).backward()
+    ...     gating.dual_step()                                  # once per optimizer step, before it
+    ...     optimizer.step(); optimizer.zero_grad()
+    >>> keep, final = gating.due(step=4, end=True); keep, final  # heads to keep, the final round
+    (5, True)
+    >>> report = gating.prune([optimizer], step=4, keep=keep, final=final)  # gates folded, 3 heads removed
+    >>> report.num_removed, sum(query for query, _ in report.heads.values())
+    (3, 5)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from attnreg.hub import AttentionRecord
+from attnreg.methods import pruning
+from attnreg.methods.base import Loop, Method
+from attnreg.methods.regularizers import check_weight
+from attnreg.schedules import ScheduleLike, as_schedule
+
+Milestones = Sequence[tuple[float, int]]
+RESCUE_FOLDER = "attnreg-unpruned"  # in the run's output folder: a model whose head removal failed, gated
+
+
+@dataclass(frozen=True)
+class L1Gates:
+    """Gates starting at 1 with an L1 penalty of `weight` (a number or a schedule of progress).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> gating = HeadGating(L1Gates(weight=0.1), Removal(keep=6))
+        >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+        >>> gating.term(None, None, step=0)[0]              # 0.1 * sum |g| / 8 gated heads, every gate at 1
+        tensor(0.1000, grad_fn=<DivBackward0>)
+        >>> L1Gates(weight=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: gates: weight must be a finite number >= 0 or a schedule of progress, got -1.0
+    """
+
+    weight: ScheduleLike = 0.01
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        _check_schedule_weight(self.weight)
+
+
+@dataclass(frozen=True)
+class HardConcreteGates:
+    """Hard-concrete (L0) gates: `temperature`, `stretch`, log-alpha starting at `initial_log_alpha`.
+
+    Without a head count in `Removal`, the penalty is `weight * expected L0` (divided by the number of
+    gated heads with `normalize`). With one (`Removal(keep=K)` or milestones) it is CoFi's Lagrangian
+    (Xia, Zhong and Chen 2022, "Structured Pruning Learns Compact and Accurate Models"), `weight` unused:
+
+    - `l1 g + l2 g^2` with `g = s - t` in heads: `s` the expected number of open heads (differentiable),
+      `t` the target, which falls linearly from where the gates start (`HeadGating.initial_heads`) to K
+      over the first `target_warmup` of training and stays at K after (CoFi: `lagrangian_warmup`, in
+      epochs there, from sparsity 0);
+    - the multipliers `l1, l2` start at 0 and act from the first step. They are trained by gradient
+      ascent (they maximize the Lagrangian: `l1` follows the sign of the gap, `l2` only grows) with an
+      Adam of their own at `lagrangian_lr` (CoFi: AdamW at minus its `reg_learning_rate`), one step per
+      optimizer step with the mean gradient of its micro-batches (`HeadGating.dual_step`), and are saved
+      in checkpoints with that optimizer's state;
+    - unlike CoFi, whose gap is a fraction (of parameters), `g` counts heads. Adam moves both multipliers
+      by about `lagrangian_lr` a step, so with a fractional gap the quadratic term's pull `2 l2 g` stays
+      far below `l1` near the target: `l1` winds up while the gates lag, and the count falls far past the
+      target before `l1` turns (CoFi's thousands of steps give `l2` time to grow; in 250 steps on SST-2
+      plain dual ascent on a fractional gap, this method before, let the count fall to 20.7 for a target
+      of 36: `benchmarks/results/sst2_pruning/hc_recovery`). In heads the quadratic term holds the count
+      within a head of the target after a few tens of steps;
+    - log-alpha trains in the model's optimizer: give the gates a group of their own
+      (`attnreg.methods.pruning.gate_parameters`, the `gates` group of
+      `attnreg.methods.layerwise_lr.layerwise_param_groups`, or
+      `SequenceClassifier(gate_lr=...)`) at a learning rate large enough for a gate to cross its bounds
+      several times in training. The count follows the target whatever the rate, but slow gates follow
+      it together, all half-open, instead of closing the least useful heads and opening the rest: on
+      SST-2 with MiniLM (250 steps, keep=36 of 72, removal at the end) at 0.05 the count ends at 35.9
+      with 8 gates above 0.5 and 79.9% dev accuracy, at 0.5 at 36.0 with 32 above 0.5 and 84.9%
+      (`benchmarks/results/sst2_pruning/hc_gate_lr0.05_seed0`, `hc_end_seed0`; CoFi: 0.01 over
+      thousands of steps);
+    - `log_alpha_bounds` clamps log-alpha once per optimizer step, before it (CoFi: log(1e-2), log(1e2),
+      after it), so a closed gate can reopen; None leaves it free. A gate closed at -4.6 is still open
+      with probability 0.05, which the expected count includes.
+
+    Example:
+        >>> gates = HardConcreteGates(target_warmup=0.5, lagrangian_lr=5e-4)
+        >>> gates.log_alpha_bounds
+        (-4.6, 4.6)
+        >>> HardConcreteGates(target_warmup=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: target_warmup must be a fraction of training in [0, 1), got 1.0
+    """
+
+    weight: ScheduleLike = 0.01
+    normalize: bool = True
+    temperature: float = 2.0 / 3.0
+    stretch: tuple[float, float] = (-0.1, 1.1)
+    initial_log_alpha: float = 2.0
+    target_warmup: float = 0.0
+    lagrangian_lr: float = 5e-4
+    log_alpha_bounds: tuple[float, float] | None = (-4.6, 4.6)
+
+    def __post_init__(self) -> None:
+        _check_schedule_weight(self.weight)
+        object.__setattr__(self, "stretch", tuple(self.stretch))
+        pruning.HardConcreteGate(0, temperature=self.temperature, stretch=self.stretch)  # validates both now
+        if not 0.0 <= self.target_warmup < 1.0:
+            raise ValueError(f"target_warmup must be a fraction of training in [0, 1), got {self.target_warmup}")
+        _check_positive(self.lagrangian_lr, "lagrangian_lr")
+        if self.log_alpha_bounds is not None:
+            bounds = tuple(self.log_alpha_bounds)
+            numbers = all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
+            if len(bounds) != 2 or not numbers or not bounds[0] < bounds[1]:
+                raise ValueError(f"log_alpha_bounds must be (low, high) with low < high, or None; got {bounds!r}")
+            object.__setattr__(self, "log_alpha_bounds", (float(bounds[0]), float(bounds[1])))
+
+
+@dataclass(frozen=True)
+class Removal:
+    """Which heads go and when (see the module docstring). `protect` heads always stay and count among
+    the `keep` kept.
+
+    Example:
+        >>> Removal(keep=36, protect={4: [9], 2: [1, 1]}).protect        # original head numbers per layer
+        {2: (1,), 4: (9,)}
+        >>> Removal(keep=1, protect={0: [1], 3: [2]})
+        Traceback (most recent call last):
+        ...
+        ValueError: Removal: protect holds 2 heads, more than keep=1 heads kept
+    """
+
+    threshold: float = 0.1
+    keep: int | None = None
+    after_steps: int | None = None
+    after_epochs: int | None = None
+    milestones: Milestones | None = field(default=None)
+    protect: Mapping[int, Sequence[int]] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_positive(self.threshold, "threshold")
+        for argument in ("after_steps", "after_epochs", "keep"):
+            value = getattr(self, argument)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"Removal: {argument} must be an integer >= 0, got {value!r}")
+        milestones = _check_milestones(self.milestones, self.keep, self.after_steps, self.after_epochs)
+        object.__setattr__(self, "milestones", milestones or None)
+        if milestones:
+            object.__setattr__(self, "keep", milestones[-1][1])
+        protect = _check_protect(self.protect)
+        object.__setattr__(self, "protect", protect or None)
+        counted = sum(len(heads) for heads in protect.values())
+        fewest = min((count for _, count in milestones), default=self.keep)
+        if fewest is not None and counted > fewest:
+            raise ValueError(f"Removal: protect holds {counted} heads, more than keep={fewest} heads kept")
+
+    @property
+    def during_training(self) -> bool:
+        """Whether heads go before the end of training (shapes change mid-run)."""
+        return bool(self.milestones) or self.after_steps is not None or self.after_epochs is not None
+
+
+@dataclass(frozen=True)
+class PruningRound:
+    """One removal: at optimizer step `step`, the heads chosen (original numbers per layer; heads silenced
+    in an earlier round under the grouped-query rule are chosen again) and what
+    `attnreg.methods.pruning.prune_heads` did (`report.heads`: heads per layer afterwards).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> gating = HeadGating(L1Gates(), Removal(keep=6))
+        >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+        >>> _ = gating.hub.gate(1).data.copy_(torch.tensor([1.0, 0.5, 0.0, 0.2]))   # as if trained
+        >>> _ = gating.prune([], step=3, keep=6)
+        >>> done = gating.rounds[-1]
+        >>> done.step, done.chosen, done.final, done.report.heads         # heads: (query, key/value) per layer
+        (3, {1: [2, 3]}, True, {0: (4, 4), 1: (2, 2)})
+    """
+
+    step: int
+    chosen: dict[int, list[int]]
+    report: pruning.PruneReport
+    final: bool
+
+
+class HeadGating(Method):
+    """Trainable per-head gates on `layers` (None = all) with a sparsity penalty, then removal.
+
+    Gates are created in `bind`, so that they exist before the optimizer is built. After training:
+    `removed` ({layer: original numbers}), `rounds` (each removal), `report` (the last one). With the
+    Lagrangian (`HardConcreteGates` and a head count), `multipliers` (`lambdas`, a copy) and their
+    `dual_optimizer` live here, outside the model and its optimizer, and in `state_dict`.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> gating = HeadGating(L1Gates(weight=0.1), Removal(keep=6))
+        >>> gating.bind(tiny_model("bert"), taken=set())
+        >>> sorted(gating.hub.gates), gating.gated_heads        # a gate per layer, before the optimizer exists
+        ([0, 1], 8)
+    """
+
+    default_name = "head_gating"
+
+    def __init__(
+        self,
+        gates: L1Gates | HardConcreteGates | None = None,
+        removal: Removal | None = None,
+        layers: int | Iterable[int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name)
+        self.gates = L1Gates() if gates is None else gates
+        self.removal = Removal() if removal is None else removal
+        if not isinstance(self.gates, L1Gates | HardConcreteGates):
+            raise TypeError(f"HeadGating: gates must be L1Gates or HardConcreteGates, got {type(self.gates).__name__}")
+        if not isinstance(self.removal, Removal):
+            raise TypeError(f"HeadGating: removal must be a Removal, got {type(self.removal).__name__}")
+        self.schedule = as_schedule(self.gates.weight, "weight")
+        self.layers_argument = layers
+        self.layers: tuple[int, ...] = ()  # captured for the term: none
+        self.gated_layers: tuple[int, ...] = ()
+        self.gated_heads = 0
+        self.multipliers = torch.zeros(2, requires_grad=True)  # CoFi's lambda_1, lambda_2 (a leaf on the CPU)
+        self.dual_optimizer = self._new_dual_optimizer()
+        self._gaps: list[torch.Tensor] = []  # constraint gaps of the micro-batches since the last optimizer step
+        self.pruned = False
+        self.milestones_done = 0
+        self.removed: dict[int, list[int]] = {}
+        self.rounds: list[PruningRound] = []
+        self.report: pruning.PruneReport | None = None
+        self.pruned_at_step: int | None = None
+
+    @property
+    def lagrangian(self) -> bool:
+        """Whether the penalty is CoFi's Lagrangian toward a head count."""
+        return isinstance(self.gates, HardConcreteGates) and self.removal.keep is not None
+
+    @property
+    def lambdas(self) -> torch.Tensor:
+        """The Lagrange multipliers `[l1, l2]` (a detached copy; `dual_step` trains them)."""
+        return self.multipliers.detach().clone()
+
+    def _new_dual_optimizer(self) -> torch.optim.Optimizer | None:
+        """Adam maximizing the Lagrangian in the multipliers (CoFi's AdamW at a negative learning rate,
+        without weight decay), or None without a Lagrangian."""
+        if not isinstance(self.gates, HardConcreteGates):
+            return None
+        return torch.optim.Adam([self.multipliers], lr=self.gates.lagrangian_lr, maximize=True)
+
+    def identity(self) -> dict[str, Any]:
+        return {"name": self.name_argument, "layers": self.layers_argument}
+
+    def schedules(self) -> list[Callable[[float], float] | None]:
+        warmup = self.lagrangian and self.gates.target_warmup > 0
+        return [self.schedule, *([_changing] if self.removal.milestones or warmup else [])]
+
+    # -- life cycle --------------------------------------------------------------------------------------
+    def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
+        super().bind(model, taken)
+        model = self.model  # the transformers model (inside a PEFT model, say)
+        hub = self.hub
+        layers = hub.resolve_layers(self.layers_argument, "layers")
+        self.gated_layers = tuple(layer for layer in layers if hub.layers[layer].num_heads > 0)
+        self.gated_heads = sum(hub.layers[layer].num_heads for layer in self.gated_layers)
+        removal = self.removal
+        most, what = (
+            (removal.milestones[0][1], "the first milestone keeps ") if removal.milestones else (removal.keep, "keep=")
+        )
+        if most is not None and most > self.gated_heads and not self.pruned:
+            raise ValueError(
+                f"HeadGating: {what}{most} heads, but the gated layers {list(self.gated_layers)} have only "
+                f"{self.gated_heads}"
+            )
+        for layer, heads in (removal.protect or {}).items():
+            if layer not in self.gated_layers:
+                raise ValueError(
+                    f"HeadGating: protect names layer {layer}, not a gated layer {list(self.gated_layers)}"
+                )
+            missing = sorted(set(heads) - set(pruning.head_numbers(model, layer)))
+            if missing and not self.pruned:
+                raise ValueError(
+                    f"HeadGating: protect names heads {missing} of layer {layer}, which has heads "
+                    f"{list(pruning.head_numbers(model, layer))} ({type(model).__name__})"
+                )
+        if self.pruned:
+            return
+        try:  # what the removal will need, now rather than after training
+            pruning.check_removable(model, self.gated_layers)
+        except TypeError as error:
+            raise TypeError(f"HeadGating: {error}") from None
+        for layer in self.gated_layers:
+            if isinstance(self.gates, L1Gates):
+                hub.gate(layer)
+            else:
+                gates = self.gates
+                pruning.make_hard_concrete(hub, layer, gates.initial_log_alpha, gates.temperature, gates.stretch)
+
+    def start(self, estimated_steps: float) -> None:
+        super().start(estimated_steps)
+        self.gated_layers = tuple(layer for layer in self.gated_layers if self.hub.layers[layer].num_heads > 0)
+
+    # -- the penalty ---------------------------------------------------------------------------------------
+    def current_weight(self, step: int) -> float:
+        """The penalty's weight at optimizer step `step`."""
+        return check_weight(self.schedule(self.progress(step)), f"HeadGating weight at step {step}")
+
+    def initial_heads(self) -> float:
+        """Where the target starts: the expected number of open heads of freshly initialized gates
+        (`gated_heads * P(z != 0)` at `initial_log_alpha`), so that the first gaps do not push gates open."""
+        gates = self.gates
+        gate = pruning.HardConcreteGate(self.gated_heads, gates.initial_log_alpha, gates.temperature, gates.stretch)
+        return float(gate.expected_l0().detach().sum())  # summed as `term` sums: the first gap is exactly 0
+
+    def target(self, step: int) -> float:
+        """The Lagrangian's target number of heads at `step`: from `initial_heads()` down to `keep`, linearly
+        over the first `target_warmup` of training, then `keep`.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> gating = HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=2))
+            >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+            >>> round(gating.initial_heads(), 2), [round(gating.target(step), 2) for step in (0, 1, 5, 9)]
+            (7.78, [7.78, 6.62, 2.0, 2.0])
+        """
+        warmup = self.gates.target_warmup
+        ramp = 1.0 if warmup == 0 else min(1.0, self.progress(step) / warmup)
+        start = max(self.initial_heads(), self.removal.keep)
+        return start - (start - self.removal.keep) * ramp
+
+    def term(self, probs: AttentionRecord, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the penalty, figures to log) for one micro-batch at optimizer step `step`; 0 once pruned."""
+        if self.pruned:
+            return torch.zeros(()), {}
+        gates = [self._gate(layer) for layer in self.gated_layers]
+        if isinstance(self.gates, L1Gates):
+            values = torch.cat([whole(gate) for gate in gates])
+            return self.current_weight(step) * values.abs().sum() / (values.numel() if self.gates.normalize else 1), {}
+        expected = torch.cat([whole(gate.expected_l0()) for gate in gates])
+        if not self.lagrangian:
+            scale = expected.numel() if self.gates.normalize else 1
+            return self.current_weight(step) * expected.sum() / scale, {}
+        gap = expected.sum() - self.target(step)  # in heads
+        lambdas = self.multipliers.detach().to(device=gap.device, dtype=gap.dtype)
+        self._gaps.append(gap.detach())
+        figures = {f"{self.name}/expected_heads": expected.sum().detach(), f"{self.name}/lambda_1": lambdas[0]}
+        return lambdas[0] * gap + lambdas[1] * gap**2, figures
+
+    def dual_step(self) -> None:
+        """Once per optimizer step, before it (whatever the gradient accumulation): one step of gradient
+        ascent on the multipliers with their own Adam, the gradient of the Lagrangian in them averaged over
+        the step's micro-batches (`[mean g, mean g^2]`, what autograd would give CoFi); then log-alpha is
+        clamped to `log_alpha_bounds`, so what the optimizer step starts from is in bounds.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> gating = HeadGating(HardConcreteGates(lagrangian_lr=0.1), Removal(keep=2))
+            >>> gating.bind(tiny_model("bert"), taken=set()); gating.start(estimated_steps=10)
+            >>> value, figures = gating.term(None, None, step=0)    # about 7.8 heads open for a target of 2
+            >>> gating.dual_step(); gating.lambdas       # ascent: Adam's first step is lr times the gradient's sign
+            tensor([0.1000, 0.1000])
+        """
+        if self._gaps and self.dual_optimizer is not None:
+            gaps = torch.stack(self._gaps).float().cpu()
+            self.multipliers.grad = torch.stack([gaps.mean(), (gaps**2).mean()])
+            self.dual_optimizer.step()
+            self.multipliers.grad = None
+        self._gaps = []
+        self._clamp_log_alpha()
+
+    def _clamp_log_alpha(self) -> None:
+        bounds = self.gates.log_alpha_bounds if isinstance(self.gates, HardConcreteGates) else None
+        if bounds is None or self.hub is None or self.pruned:
+            return
+        with torch.no_grad():
+            for layer in self.gated_layers:
+                gate = pruning.hard_concrete(self.hub, layer)
+                if gate is not None:
+                    gate.log_alpha.clamp_(*bounds)
+
+    def _gate(self, layer: int) -> torch.Tensor | pruning.HardConcreteGate:
+        gate = self.hub.gates.get(layer)
+        if gate is None:  # never create one here: it would not be in the optimizer
+            raise RuntimeError(f"HeadGating: the gate of layer {layer} is gone (removed after setup)")
+        return gate
+
+    # -- removal ------------------------------------------------------------------------------------------
+    def due(self, step: int, epochs_done: int | None = None, end: bool = False) -> tuple[int | None, bool] | None:
+        """Whether heads go now: None, or (heads to keep, or None to threshold; whether this is the final
+        round). Call after each optimizer step with `step`, at each epoch end with `epochs_done`, and
+        once at the end of training with `end=True`."""
+        if self.pruned:
+            return None
+        removal = self.removal
+        if removal.milestones and not end and epochs_done is None:
+            progress = self.progress(step)
+            due = [i for i, (at, _) in enumerate(removal.milestones) if i >= self.milestones_done and progress >= at]
+            if due:
+                self.milestones_done = due[-1] + 1
+                return removal.milestones[due[-1]][1], self.milestones_done == len(removal.milestones)
+            return None
+        if end:
+            return removal.keep, True
+        if epochs_done is not None:
+            return (
+                (removal.keep, True)
+                if removal.after_epochs is not None and epochs_done >= removal.after_epochs
+                else None
+            )
+        if removal.after_steps is not None and step >= removal.after_steps:
+            return removal.keep, True
+        return None
+
+    def scores(self) -> dict[int, torch.Tensor]:
+        """Per gated layer, what decides which heads stay: |g|, or the deterministic hard-concrete gate."""
+        with torch.no_grad():
+            if isinstance(self.gates, L1Gates):
+                return {layer: whole(self._gate(layer)).detach().abs().float().cpu() for layer in self.gated_layers}
+            return {
+                layer: whole(self._gate(layer).deterministic()).detach().float().cpu() for layer in self.gated_layers
+            }
+
+    def choose(self, keep: int | None) -> dict[int, list[int]]:
+        """Current positions of the heads to remove: all but the `keep` best, else those below the threshold;
+        never a protected head."""
+        model = self.require_bound()
+        scores = self.scores()
+        for layer, heads in pruning.silenced_heads(model).items():  # chosen before, kept by the grouped-query rule
+            if layer in scores:
+                numbers = pruning.head_numbers(model, layer)
+                scores[layer][[numbers.index(head) for head in heads]] = -math.inf
+        for layer, heads in (self.removal.protect or {}).items():
+            if layer in scores:
+                numbers = pruning.head_numbers(model, layer)
+                scores[layer][[numbers.index(head) for head in heads if head in numbers]] = math.inf
+        return pruning.select_heads(scores, threshold=self.removal.threshold if keep is None else None, keep=keep)
+
+    def prune(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        step: int,
+        keep: int | None = None,
+        final: bool = True,
+        positions: dict[int, list[int]] | None = None,
+        rescue: str | Path | None = None,
+    ) -> pruning.PruneReport:
+        """Remove the chosen heads (`positions`, else `choose(keep)`) with the optimizers' state sliced;
+        with `final`, fold every gate after and stop the penalty.
+
+        The removal is checked whole before anything changes (`attnreg.methods.pruning.prune_heads`); if it fails
+        all the same, the model is left as training left it (gated, nothing folded) and, given `rescue` (a
+        folder), saved there with `attnreg.methods.pruning.save_pruned` before the error is raised, naming it.
+        """
+        model = self.require_bound()
+        positions = self.choose(keep) if positions is None else positions
+        chosen = {layer: heads for layer, heads in pruning.to_original_numbers(model, positions).items() if heads}
+        try:
+            self.report = pruning.prune_heads(model, chosen, optimizers)  # silences what the grouped-query rule keeps
+        except Exception as error:
+            saved = (
+                ""
+                if rescue is None
+                else f"; the trained model, gated, was saved to {pruning.save_pruned(model, rescue)}"
+            )
+            raise RuntimeError(
+                f"HeadGating: removing heads {chosen} at step {step} failed ({type(error).__name__}: {error}); "
+                f"nothing was folded or removed{saved}"
+            ) from error
+        if final:
+            pruning.fold_gates(model, optimizers)
+        for layer, heads in chosen.items():
+            self.removed[layer] = sorted({*self.removed.get(layer, ()), *heads})
+        self.gated_layers = tuple(layer for layer in self.gated_layers if self.hub.layers[layer].num_heads > 0)
+        self.rounds.append(PruningRound(step, chosen, self.report, final))
+        if final:
+            self.pruned, self.pruned_at_step = True, step
+        return self.report
+
+    # -- events ---------------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return not self.pruned
+
+    def on_fit_start(self, loop: Loop) -> None:
+        if loop.world_size > 1 and self.removal.during_training and not self.pruned:
+            raise NotImplementedError(
+                "HeadGating: removing heads during training under several processes is not supported (each "
+                "process's optimizer and gradient buckets keep the old shapes); remove at the end of training "
+                "(Removal without after_steps, after_epochs and milestones)"
+            )
+
+    def on_before_optimizer_step(self, loop: Loop) -> None:
+        self.dual_step()
+
+    def on_step_end(self, loop: Loop) -> None:
+        self.remove_if_due(loop, self.due(loop.step))
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        self.remove_if_due(loop, self.due(loop.step, loop.epoch))
+
+    def on_fit_end(self, loop: Loop) -> None:
+        self.remove_if_due(loop, self.due(loop.step, end=True))
+
+    def remove_if_due(self, loop: Loop, due: tuple[int | None, bool] | None) -> pruning.PruneReport | None:
+        """Remove heads when `due` (from `due`) says so: every process removes rank 0's choice, the
+        optimizers' state sliced along; a failed removal leaves the model gated in
+        `<output_dir>/attnreg-unpruned` (see `prune`)."""
+        if due is None:
+            return None
+        keep, final = due
+        positions = loop.broadcast(self.choose(keep))
+        rescue = Path(loop.output_dir, RESCUE_FOLDER) if loop.is_main and loop.output_dir is not None else None
+        return self.prune(loop.optimizers, loop.step, keep, final, positions, rescue)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "pruned": self.pruned,
+            "removed": {str(layer): heads for layer, heads in self.removed.items()},
+            "lambdas": self.multipliers.tolist(),
+            "dual_optimizer": _adam_state(self.dual_optimizer),
+            "milestones_done": self.milestones_done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.pruned = bool(state["pruned"])
+        self.removed = {int(layer): list(heads) for layer, heads in state["removed"].items()}
+        with torch.no_grad():
+            self.multipliers.copy_(torch.tensor(state["lambdas"], dtype=self.multipliers.dtype))
+        self.dual_optimizer = self._new_dual_optimizer()
+        if self.dual_optimizer is not None and state.get("dual_optimizer"):
+            _load_adam_state(self.dual_optimizer, state["dual_optimizer"])
+        self._gaps = []
+        self.milestones_done = int(state.get("milestones_done", 0))
+
+
+def _adam_state(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    """The state of the multipliers' Adam as JSON-friendly numbers (the HF adapter writes method state as
+    JSON); float32 values round-trip exactly through Python floats."""
+    if optimizer is None:
+        return None
+    (parameter,) = optimizer.param_groups[0]["params"]
+    state = optimizer.state.get(parameter)
+    if not state:
+        return {}
+    return {key: value.tolist() if value.ndim else float(value) for key, value in state.items()}
+
+
+def _load_adam_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    (parameter,) = optimizer.param_groups[0]["params"]
+    optimizer.state[parameter] = {
+        key: torch.tensor(value, dtype=torch.float32 if key == "step" else parameter.dtype)
+        for key, value in state.items()
+    }
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A gate sharded by FSDP2 (a `DTensor`) as one full tensor, differentiably (an all-gather whose backward
+    reduce-scatters), so that the penalty reads every head; any other tensor as it is.
+
+    Example:
+        >>> gate = torch.ones(4)
+        >>> whole(gate) is gate
+        True
+    """
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _changing(progress: float) -> float:
+    """Stands for a schedule of progress (milestones, a target warmup): the training length is needed."""
+    return progress
+
+
+def _check_schedule_weight(weight: ScheduleLike) -> None:
+    if not callable(weight):
+        check_weight(weight, "gates")
+
+
+def _check_positive(value: Any, argument: str) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
+        raise ValueError(f"{argument} must be a finite number > 0, got {value!r}")
+
+
+def _check_protect(protect: Mapping[int, Sequence[int]] | None) -> dict[int, tuple[int, ...]]:
+    if protect is None:
+        return {}
+    if not isinstance(protect, Mapping):
+        raise TypeError(f"Removal: protect must map layers to original head numbers, e.g. {{4: [9]}}; got {protect!r}")
+
+    def number(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    checked = {}
+    for layer, heads in protect.items():
+        if not number(layer) or isinstance(heads, str) or not isinstance(heads, Iterable):
+            raise TypeError(
+                f"Removal: protect must map layer numbers to lists of head numbers; got {layer!r}: {heads!r}"
+            )
+        heads = list(heads)
+        if not heads or not all(number(head) for head in heads):
+            raise ValueError(f"Removal: protect[{layer}] must list head numbers >= 0, got {heads!r}")
+        checked[layer] = tuple(sorted(set(heads)))
+    return dict(sorted(checked.items()))
+
+
+def _check_milestones(
+    milestones: Milestones | None, keep: int | None, after_steps: int | None, after_epochs: int | None
+) -> tuple[tuple[float, int], ...]:
+    if milestones is None:
+        return ()
+    if after_steps is not None or after_epochs is not None:
+        raise ValueError("Removal: give milestones or after_steps / after_epochs, not both")
+    checked: list[tuple[float, int]] = []
+    for item in milestones:
+        try:
+            at, count = item
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Removal: each milestone is (progress, heads to keep), e.g. (0.5, 36); got {item!r}"
+            ) from None
+        if isinstance(at, bool) or not isinstance(at, int | float) or not 0.0 < at <= 1.0:
+            raise ValueError(f"Removal: a milestone's progress must be in (0, 1], got {at!r} in {item!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"Removal: a milestone's head count must be an integer >= 0, got {count!r}")
+        if checked and (at <= checked[-1][0] or count >= checked[-1][1]):
+            raise ValueError(
+                f"Removal: milestones must rise in progress and fall in heads kept; {item!r} follows {checked[-1]!r}"
+            )
+        checked.append((float(at), count))
+    if not checked:
+        raise ValueError("Removal: milestones is empty (leave it None to prune once)")
+    if keep is not None and keep != checked[-1][1]:
+        raise ValueError(f"Removal: keep={keep} disagrees with the last milestone's {checked[-1][1]} heads")
+    return tuple(checked)

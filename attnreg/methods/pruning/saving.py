@@ -1,0 +1,237 @@
+"""Saving and loading pruned models: `save_pretrained` plus a pruning spec re-applied before the weights load."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from attnreg.families import Family, detect_family
+from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
+from attnreg.hub import GATE, TEMPERATURE, attach
+from attnreg.methods.pruning.checkpoints import FOLDED_GATES, restore_pruning
+from attnreg.methods.pruning.gates import _hub_or_none, make_hard_concrete
+from attnreg.methods.pruning.surgery import prune_heads, silence_heads
+
+SPEC_FILE = "attnreg_pruning.json"
+_SAVE_PARAMETERS = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
+_SPEC_FORMAT = 1
+
+
+def save_pruned(
+    model: transformers.PreTrainedModel,
+    directory: str | Path,
+    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Save a (pruned) model: safetensors weights and config via `save_pretrained`, plus `attnreg_pruning.json`,
+    and `tokenizer` beside them when given (tools such as `attnreg-analyze` need it).
+
+    Hub gates and temperatures are saved unfolded, as training has them (a training checkpoint resumes from
+    them exactly); a hard-concrete gate's settings go in the spec, and `load_pruned` rebuilds it.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.methods.pruning import prune_heads
+        >>> from attnreg.app.task import build_tokenizer
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert", head="classification")
+        >>> report = prune_heads(model, {0: [1, 3]})
+        >>> folder = save_pruned(model, tempfile.mkdtemp(), tokenizer=build_tokenizer(["a", "b"]))
+        >>> sorted(path.name for path in folder.iterdir())
+        ['attnreg_pruning.json', 'config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
+    """
+    directory = Path(directory)
+    # Not an attached model's own save_pretrained, which folds gates: these load back. The weights are written
+    # as the model holds them: the original format of some families (mixture-of-experts) is converted back only
+    # by from_pretrained, which a pruned model cannot use.
+    options = {"save_original_format": False} if "save_original_format" in _SAVE_PARAMETERS else {}
+    type(model).save_pretrained(model, directory, **options)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    write_spec(model, directory)
+    return directory
+
+
+def write_spec(model: transformers.PreTrainedModel, directory: str | Path) -> Path:
+    """Write `attnreg_pruning.json` for the weights saved in `directory` (what `save_pruned` adds to
+    `save_pretrained`): the pruned and silenced heads, the heads per layer, and each hard-concrete gate's
+    settings. The Hugging Face adapter writes it into every checkpoint.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.methods.pruning import make_hard_concrete
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> _ = make_hard_concrete(attach(model), 1, temperature=0.5)
+        >>> spec = json.loads(write_spec(model, tempfile.mkdtemp()).read_text())
+        >>> spec["heads"], spec["hard_concrete"]
+        ([[4, 4], [4, 4]], {'1': {'temperature': 0.5, 'stretch': [-0.1, 1.1]}})
+    """
+    family = detect_family(model)
+    hub = _hub_or_none(model)
+    modules = {} if hub is None else {layer: g for layer, g in hub.gates.items() if isinstance(g, nn.Module)}
+    spec = {
+        "format": _SPEC_FORMAT,
+        "class": type(model).__name__,
+        "family": family.name,
+        "pruned_heads": {str(layer): list(heads) for layer, heads in pruned_heads(model).items()},
+        "silenced_heads": {str(layer): list(heads) for layer, heads in silenced_heads(model).items()},
+        "heads": [
+            list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))
+        ],
+        "hard_concrete": {
+            str(layer): {"temperature": gate.temperature, "stretch": list(gate.stretch)}
+            for layer, gate in modules.items()
+        },
+    }
+    path = Path(directory) / SPEC_FILE
+    path.write_text(json.dumps(spec, indent=2) + "\n")
+    return path
+
+
+def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
+    """Load what `save_pruned` wrote: rebuild the model from its config, re-apply the pruning spec, then
+    load the weights strictly. Returns the same class, in eval mode (as `from_pretrained` does).
+
+    Raises `ValueError` naming the tensor and layer when the spec disagrees with the weights.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.methods.pruning import prune_heads, pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("gpt2", head="causal_lm")
+        >>> report = prune_heads(model, {1: [0, 1, 2]})
+        >>> same = load_pruned(save_pruned(model, tempfile.mkdtemp()))
+        >>> type(same).__name__, pruned_heads(same), same.training
+        ('GPT2LMHeadModel', {1: (0, 1, 2)}, False)
+        >>> inputs = torch.tensor([[5, 6, 7]])
+        >>> torch.equal(model.eval()(inputs).logits, same(inputs).logits)
+        True
+    """
+    directory = Path(directory)
+    spec_path = directory / SPEC_FILE
+    if not spec_path.is_file():
+        raise FileNotFoundError(
+            f"{spec_path} is missing: was {directory} written by attnreg.methods.pruning.save_pruned?"
+        )
+    spec = json.loads(spec_path.read_text())
+    if spec.get("format") != _SPEC_FORMAT:
+        raise ValueError(f"{spec_path}: unknown format {spec.get('format')!r} (this attnreg reads {_SPEC_FORMAT})")
+    model_class = getattr(transformers, spec["class"], None)
+    if model_class is None:
+        raise ValueError(f"{spec_path}: class {spec['class']!r} is not a transformers class")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    for name, key in ((PRUNED_HEADS, "pruned_heads"), (SILENCED_HEADS, "silenced_heads")):
+        recorded = getattr(config, name, None) or {}
+        if {k: list(v) for k, v in recorded.items()} != spec.get(key, {}):
+            raise ValueError(
+                f"{directory}: config.json records {key.replace('_', ' ')} {recorded} but {SPEC_FILE} says "
+                f"{spec.get(key, {})}"
+            )
+        setattr(config, name, {})
+    model = model_class(config)
+    family = detect_family(model)
+    prune_heads(model, {int(layer): heads for layer, heads in spec["pruned_heads"].items()})
+    silence_heads(model, {int(layer): heads for layer, heads in spec.get("silenced_heads", {}).items()})
+    layout = [list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))]
+    if layout != spec["heads"]:
+        raise ValueError(
+            f"{spec_path}: re-applying the spec gives heads {layout} per layer, the spec says {spec['heads']}"
+        )
+    weights = _read_weights(directory)
+    if any(key.endswith((f".{GATE}", f".{TEMPERATURE}")) for key in weights) or spec.get("hard_concrete"):
+        hub = attach(model)
+        for layer, settings in spec.get("hard_concrete", {}).items():
+            make_hard_concrete(hub, int(layer), temperature=settings["temperature"], stretch=settings["stretch"])
+    _load_checked(model, family, weights, directory)
+    return model.eval()
+
+
+def restore_saved_pruning(model: nn.Module, directory: str | Path) -> PruneReport | None:
+    """Re-apply to `model` (built as the run began) the pruning of a folder `save_pruned` or the Hugging Face
+    adapter's checkpoints wrote, so that its weights load: removed and silenced heads, and the gates folded
+    at the removal taken off. A no-op for a folder without `attnreg_pruning.json`.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.tiny import tiny_model
+        >>> pruned = tiny_model("bert"); _ = prune_heads(pruned, {0: [1, 2]})
+        >>> folder = save_pruned(pruned, tempfile.mkdtemp())
+        >>> restore_saved_pruning(tiny_model("bert"), folder).heads        # the saved weights fit now
+        {0: (2, 2), 1: (4, 4)}
+    """
+    directory = Path(directory)
+    if not (directory / SPEC_FILE).is_file():
+        return None
+    spec = json.loads((directory / SPEC_FILE).read_text())
+    hub = _hub_or_none(model)
+    record = {
+        PRUNED_HEADS: spec["pruned_heads"],
+        SILENCED_HEADS: spec.get("silenced_heads", {}),
+        FOLDED_GATES: [] if hub is None else list(hub.gates),  # those absent from the weights go
+        "state_dict": dict.fromkeys(_weight_names(directory)),
+    }
+    return restore_pruning(model, record)
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    paths = [directory / name for name in files]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing (save_pruned writes safetensors weights)")
+    return paths
+
+
+def _weight_names(directory: Path) -> list[str]:
+    names = []
+    for path in _weight_files(directory):
+        with safe_open(path, framework="pt") as weights:
+            names += list(weights.keys())
+    return names
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for path in _weight_files(directory):
+        weights.update(load_file(path))
+    return weights
+
+
+def _load_checked(model: nn.Module, family: Family, weights: dict[str, torch.Tensor], directory: Path) -> None:
+    expected = model.state_dict()
+    mismatches = [
+        f"{key}: weights {tuple(tensor.shape)}, pruning spec {tuple(expected[key].shape)}{_layer_of(family, key)}"
+        for key, tensor in weights.items()
+        if key in expected and expected[key].shape != tensor.shape
+    ]
+    if mismatches:
+        raise ValueError(f"{directory}: the pruning spec disagrees with the weights: " + "; ".join(mismatches[:5]))
+    floating = [t.dtype for t in weights.values() if t.is_floating_point()]
+    if floating and floating[0] != next(model.parameters()).dtype:
+        model.to(floating[0])
+    result = model.load_state_dict(weights, strict=False)
+    tied = {id(t) for key, t in model.state_dict(keep_vars=True).items() if key in weights}
+    state = model.state_dict(keep_vars=True)
+    missing = [key for key in result.missing_keys if id(state[key]) not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{directory}: weights do not match the model: missing {missing}, unexpected {result.unexpected_keys}"
+        )
+
+
+def _layer_of(family: Family, key: str) -> str:
+    marker = f"{family.blocks_path}."
+    if marker not in key:
+        return ""
+    return f" (layer {key.split(marker, 1)[1].split('.', 1)[0]})"
