@@ -17,11 +17,15 @@ Example:
     True
 """
 
-from attnreg import analysis, schedules, syntax
+import importlib
+import warnings
+
+from attnreg import analysis, methods, schedules, syntax
 from attnreg.callbacks import (
     AttentionDropoutSchedule,
     AttentionLoss,
     AttentionMonitor,
+    Distillation,
     EntropyRegularizer,
     FreezeLayers,
     HeadGating,
@@ -43,6 +47,7 @@ __all__ = [
     "AttentionRecord",
     "AttentionTerm",
     "AttnRegMixin",
+    "Distillation",
     "EntropyRegularizer",
     "FAMILIES",
     "Family",
@@ -60,6 +65,33 @@ __all__ = [
     "detect_family",
     "hub_of",
     "layerwise_param_groups",
+    "methods",
     "schedules",
     "syntax",
 ]
+
+MOVED = {
+    "pruning": "attnreg.methods.pruning",
+    "optim": "attnreg.methods.layerwise_lr",
+    "distill": "attnreg.methods.distillation",
+}
+"""Modules that moved into their method's folder; the old attribute still works for one release, with a warning."""
+
+
+def __getattr__(name: str):
+    """`attnreg.pruning` and the other moved modules, with a `DeprecationWarning` naming the new place.
+
+    Example:
+        >>> import warnings, attnreg
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     pruning = attnreg.pruning
+        >>> pruning is attnreg.methods.pruning, str(caught[0].message)
+        (True, 'attnreg.pruning is deprecated: use attnreg.methods.pruning (the same module)')
+    """
+    if name in MOVED:
+        warnings.warn(
+            f"attnreg.{name} is deprecated: use {MOVED[name]} (the same module)", DeprecationWarning, stacklevel=2
+        )
+        return importlib.import_module(MOVED[name])
+    raise AttributeError(f"module 'attnreg' has no attribute {name!r}")

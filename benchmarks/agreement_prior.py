@@ -2,7 +2,7 @@
 
 Runs the training app as one multirun, variants interleaved per seed:
 
-    attnreg-train -m seed=0,1,2,3,4 attnreg.syntax_kl.weight=0,1
+    attnreg-train -m seed=0,1,2,3,4 attnreg.syntax_prior_kl.weight=0,1
 
 (weight 0 keeps the same callback and attention capture, so the two variants differ only in the
 prior's gradient), then pairs the runs by seed: accuracy on the hard split (2 distractor verbs; training
@@ -28,7 +28,7 @@ from common import add_output_arguments, output_dir, write_results
 
 from attnreg.app.collect import load_runs, value_at
 
-WEIGHT = "attnreg.syntax_kl.weight"
+WEIGHT = "attnreg.syntax_prior_kl.weight"
 METRICS = {
     "hard": "accuracy.hard",
     "test": "accuracy.test",

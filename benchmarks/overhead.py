@@ -16,8 +16,8 @@ run them (`attnreg.methods`, `hub.capture`):
 - `sdpa`: the plain model (transformers' SDPA attention), not attached;
 - `idle`: `attnreg.attach(model)` and nothing else;
 - `gates`: attached, with a trainable gate (at 1) on every layer;
-- `kl_head`: `PriorKL` to a one-hot parent (the previous token) on head 0 of every layer, blockwise;
-- `entropy_all`: `Entropy(mode="max")` on every head of every layer, blockwise;
+- `kl_head`: `SyntaxPriorKL` to a one-hot parent (the previous token) on head 0 of every layer, blockwise;
+- `entropy_all`: `EntropyRegularizer(mode="max")` on every head of every layer, blockwise;
 - `kl_head_materialized`, `entropy_all_materialized`: the same with `blockwise=False` (the layers run
   eager attention and keep their probabilities, the path before the blockwise one);
 - with `--compile` (the default; BERT at 512 tokens only, since compiling takes minutes per variant):
@@ -65,9 +65,9 @@ def terms_of(name: str) -> list[methods.LossTerm]:
     blockwise = not name.endswith("_materialized")
     if name.startswith("kl_head"):
         heads = {layer: [0] for layer in range(SIZES["layers"])}
-        return [methods.PriorKL(weight=1.0, heads=heads, blockwise=blockwise)]
+        return [methods.SyntaxPriorKL(weight=1.0, heads=heads, blockwise=blockwise)]
     if name.startswith("entropy_all"):
-        return [methods.Entropy(weight=0.01, mode="max", blockwise=blockwise)]
+        return [methods.EntropyRegularizer(weight=0.01, mode="max", blockwise=blockwise)]
     return []
 
 

@@ -30,7 +30,7 @@ def main(out: Path, one: bool) -> None:
         ddp_backend=None if one else "gloo",
     )
     gating = methods.HeadGating(methods.L1Gates(weight=0.5), methods.Removal(keep=5))
-    chosen = [methods.Entropy(weight=1.0, mode="max"), gating]
+    chosen = [methods.EntropyRegularizer(weight=1.0, mode="max"), gating]
     trainer = AttnRegTrainer(
         model=tiny_model("gpt2", head="causal_lm").train(), args=args, train_dataset=examples(), methods=chosen
     )

@@ -30,7 +30,8 @@ def hf_arguments(tmp_path, **options) -> TrainingArguments:
 
 
 def term_methods():
-    return [methods.Entropy(weight=100.0, mode="max"), methods.Entropy(weight=50.0, mode="min", layers=[1])]
+    flatten = methods.EntropyRegularizer(weight=100.0, mode="max")
+    return [flatten, methods.EntropyRegularizer(weight=50.0, mode="min", layers=[1])]
 
 
 def hf_weights(tmp_path, family, batch, accumulation, with_terms=True) -> dict[str, torch.Tensor]:
@@ -130,7 +131,10 @@ def gating_trainer(tmp_path, family, removal, **options) -> AttnRegTrainer:
             tmp_path, **(dict(max_steps=6, learning_rate=0.05, save_strategy="steps", save_steps=2) | options)
         ),
         train_dataset=Stream(24),
-        methods=[methods.Entropy(weight=1.0, mode="max"), methods.HeadGating(methods.L1Gates(weight=0.5), removal)],
+        methods=[
+            methods.EntropyRegularizer(weight=1.0, mode="max"),
+            methods.HeadGating(methods.L1Gates(weight=0.5), removal),
+        ],
     )
 
 

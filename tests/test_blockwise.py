@@ -134,9 +134,9 @@ def run_terms(model, batch, blockwise, gate=False, temperature=False):
     if temperature:
         hub.set_temperature(torch.linspace(0.5, 2.0, hub.layers[1].num_heads), layers=[1])
     terms = [
-        methods.Entropy(weight=1.0, mode="max", blockwise=blockwise),
-        methods.PriorKL(weight=1.0, heads=[1], blockwise=blockwise, name="index"),
-        methods.PriorKL(
+        methods.EntropyRegularizer(weight=1.0, mode="max", blockwise=blockwise),
+        methods.SyntaxPriorKL(weight=1.0, heads=[1], blockwise=blockwise, name="index"),
+        methods.SyntaxPriorKL(
             weight=1.0, layers=[1], head_reduction="mean_attention", prior_key="dense", blockwise=blockwise
         ),
     ]
@@ -184,7 +184,7 @@ def test_the_terms_see_attention_before_dropout():
         model = tiny_model("bert").train()
         hub = attnreg.attach(model)
         hub.set_attention_dropout(rate)
-        entropy = methods.Entropy(weight=1.0, layers=[0])
+        entropy = methods.EntropyRegularizer(weight=1.0, layers=[0])
         entropy.bind(model)
         entropy.start(10)
         with hub.capture([0], inputs=True) as record:
@@ -238,7 +238,7 @@ def test_the_idle_hub_gates_and_the_blockwise_entropy_trace_as_one_graph(family)
     idle = torch._dynamo.explain(model)(**batch)
     assert (idle.graph_count, idle.graph_break_count) == (1, 0), idle.break_reasons
 
-    entropy = methods.Entropy(weight=0.1, mode="max")
+    entropy = methods.EntropyRegularizer(weight=0.1, mode="max")
     entropy.bind(model)
     entropy.start(10)
 

@@ -65,7 +65,7 @@ def test_entropy_callback_moves_entropy_the_asked_way(mode):
     before, _ = measure(model, 1)
     trainer = fit(model, attnreg.EntropyRegularizer(mode=mode, weight=1.0, layers=[1]), steps=12)
     after, _ = measure(model, 1)
-    assert "attnreg/entropy" in trainer.callback_metrics
+    assert "attnreg/entropy_regularizer" in trainer.callback_metrics
     change = (after - before).mean()
     assert change < -0.05 if mode == "min" else change > 0.05
 
@@ -85,7 +85,7 @@ def test_prior_kl_callback_teaches_the_supervised_head():
     _, before = measure(model, 0)
     trainer = fit(model, attnreg.SyntaxPriorKL(weight=1.0, layers=[0], heads=[0]), steps=20)
     _, after = measure(model, 0)
-    assert "attnreg/prior_kl" in trainer.callback_metrics
+    assert "attnreg/syntax_prior_kl" in trainer.callback_metrics
     assert after[0] > 0.9 and before[0] < 0.5
 
 
@@ -105,7 +105,7 @@ def test_callbacks_check_heads_and_prior_key():
 def test_prior_kl_with_one_head_per_layer_teaches_each_chosen_head():
     model = tiny_model("gpt2", head="classification")
     trainer = fit(model, attnreg.SyntaxPriorKL(weight=1.0, heads={0: [1], 1: [2]}), steps=20)
-    assert {"attnreg/prior_kl/layer0", "attnreg/prior_kl/layer1"} <= set(trainer.callback_metrics)
+    assert {"attnreg/syntax_prior_kl/layer0", "attnreg/syntax_prior_kl/layer1"} <= set(trainer.callback_metrics)
     _, layer0 = measure(model, 0)
     _, layer1 = measure(model, 1)
     assert layer0[1] > 0.9 and layer1[2] > 0.9

@@ -122,15 +122,16 @@ def test_every_callback_together_with_accumulation_bf16_and_a_longer_resume(tmp_
         assert lrs["gates"] == pytest.approx(10 * LR * factor)
         assert weights["prior"] == pytest.approx(1.0 - 0.5 * progress)
         assert weights["entropy"] == pytest.approx(0.1 * min(progress / 0.5, 1.0))
-    dropout = module.logged["attnreg/attention_dropout"]  # set (and logged) once per optimizer step
+    dropout = module.logged["attnreg/attention_dropout_schedule"]  # set (and logged) once per optimizer step
     assert [value for _, value in dropout] == pytest.approx([0.2 * (1 - s / 6) for s in (2, 3, 4, 5)])
 
     # Each term: logged at every micro-batch, finite, and only for the layers it names.
-    for name in ("attnreg/prior_kl", "attnreg/entropy", "attnreg/head_gating"):
+    for name in ("attnreg/syntax_prior_kl", "attnreg/entropy_regularizer", "attnreg/head_gating"):
         values = [value for _, value in module.logged[name]]
         assert len(values) == 8 and all(math.isfinite(v) for v in values), name
-    assert "attnreg/prior_kl/layer1" in module.logged and "attnreg/prior_kl/layer0" not in module.logged
-    assert "attnreg/entropy/layer0" in module.logged and "attnreg/entropy/layer1" not in module.logged
+    assert "attnreg/syntax_prior_kl/layer1" in module.logged and "attnreg/syntax_prior_kl/layer0" not in module.logged
+    assert "attnreg/entropy_regularizer/layer0" in module.logged
+    assert "attnreg/entropy_regularizer/layer1" not in module.logged
     assert chosen["monitor"].entropy is not None and chosen["monitor"].entropy.isfinite().all()
 
     # FreezeLayers: epoch 0 (steps 0-1) was the first run; from epoch 1 on the embeddings train.
@@ -149,7 +150,7 @@ def test_every_callback_together_with_accumulation_bf16_and_a_longer_resume(tmp_
         longer.fit(again, DataLoader(micro_batches(MICRO_BATCHES), None), ckpt_path=tmp_path / "end.ckpt")
     assert longer.global_step == 6
     assert sum(layer.num_heads for layer in attnreg.attach(again.model).layers) == 6
-    assert {step for step, _ in again.logged["attnreg/entropy"]} == {4, 5}
+    assert {step for step, _ in again.logged["attnreg/entropy_regularizer"]} == {4, 5}
     assert "attnreg/head_gating" not in again.logged  # pruned and folded: no penalty any more
 
 

@@ -23,8 +23,8 @@ IDS = torch.randint(3, 99, (4, 8), generator=torch.Generator().manual_seed(1))
 
 def chosen():
     return [
-        methods.Entropy(weight=1.0, mode="max"),
-        methods.PriorKL(heads={1: [0]}, weight=1.0),
+        methods.EntropyRegularizer(weight=1.0, mode="max"),
+        methods.SyntaxPriorKL(heads={1: [0]}, weight=1.0),
         methods.HeadGating(methods.L1Gates(weight=0.5), methods.Removal(keep=8)),
     ]
 

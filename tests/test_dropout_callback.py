@@ -90,7 +90,7 @@ def test_scheduled_rates_act_like_config_rates_in_training_only(family):
         assert torch.allclose(record["evaluated"], reference, atol=1e-6, rtol=0)
         if rate > 0:
             assert (record["output"] - reference).abs().max() > 1e-3
-    assert trainer.callback_metrics["attnreg/attention_dropout"] == pytest.approx(attention_schedule(3 / 4))
+    assert trainer.callback_metrics["attnreg/attention_dropout_schedule"] == pytest.approx(attention_schedule(3 / 4))
     hub = attnreg.hub_of(model)
     assert [hub.attention_dropout(layer) for layer in range(2)] == [0.0, 0.0]  # the model's own, after fit
     if has_hidden:

@@ -64,8 +64,8 @@ def test_minilm_with_the_syntax_prior_and_entropy(tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2).train()
     examples = make_splits(train=32, val=4, test=4, hard=4, seed=0, mask=tokenizer.mask_token)["train"]
     dataset = SyntaxDataset([e.sentence for e in examples], [e.label for e in examples])
-    kl = methods.PriorKL(weight=1.0, heads={4: [9]})
-    entropy = methods.Entropy(weight=Warmup(0.5, Constant(0.01)), mode="max", layers=[0])
+    kl = methods.SyntaxPriorKL(weight=1.0, heads={4: [9]})
+    entropy = methods.EntropyRegularizer(weight=Warmup(0.5, Constant(0.01)), mode="max", layers=[0])
     logs = Logs()
     trainer = AttnRegTrainer(
         model=model,
@@ -79,10 +79,19 @@ def test_minilm_with_the_syntax_prior_and_entropy(tmp_path):
     training = [log for log in logs.logs if "loss" in log]
     assert len(training) == 8
     for log in training:
-        assert {"attnreg/prior_kl", "attnreg/prior_kl/layer4", "attnreg/entropy", "attnreg/entropy/layer0"} <= set(log)
+        assert {
+            "attnreg/syntax_prior_kl",
+            "attnreg/syntax_prior_kl/layer4",
+            "attnreg/entropy_regularizer",
+            "attnreg/entropy_regularizer/layer0",
+        } <= set(log)
         assert all(math.isfinite(value) for key, value in log.items() if key.startswith("attnreg/"))
-    assert training[0]["attnreg/entropy"] == 0.0 and training[-1]["attnreg/entropy"] < 0  # warmed up, max mode
-    assert training[-1]["attnreg/prior_kl/layer4"] < training[0]["attnreg/prior_kl/layer4"]  # the head learns
+    assert (
+        training[0]["attnreg/entropy_regularizer"] == 0.0 and training[-1]["attnreg/entropy_regularizer"] < 0
+    )  # warmed up, max mode
+    assert (
+        training[-1]["attnreg/syntax_prior_kl/layer4"] < training[0]["attnreg/syntax_prior_kl/layer4"]
+    )  # the head learns
 
 
 def test_without_kept_columns_the_collator_would_fail(tmp_path):
@@ -128,8 +137,8 @@ class Stream(IterableDataset):
 
 def decoder_methods():
     return [
-        methods.PriorKL(weight=Linear(1.0, 0.5), heads={1: [0]}),
-        methods.DropoutSchedule(Linear(0.2, 0.0)),
+        methods.SyntaxPriorKL(weight=Linear(1.0, 0.5), heads={1: [0]}),
+        methods.AttentionDropoutSchedule(Linear(0.2, 0.0)),
         methods.LayerwiseLR(lr=1e-3, decay=0.8, schedule=Linear(1.0, 0.1)),
     ]
 
@@ -145,8 +154,8 @@ def test_tiny_decoder_resumes_with_more_steps(tmp_path):
     first.train()
     state = json.loads((tmp_path / "checkpoint-2" / STATE_FILE).read_text())
     assert state == {
-        "prior_kl": {"total_steps": 4},
-        "attention_dropout": {"total_steps": 4},
+        "syntax_prior_kl": {"total_steps": 4},
+        "attention_dropout_schedule": {"total_steps": 4},
         "layerwise_lr": {"total_steps": 4},
     }
 
@@ -164,8 +173,10 @@ def test_tiny_decoder_resumes_with_more_steps(tmp_path):
     training = [log for log in logs.logs if "loss" in log]
     assert len(training) == 6  # steps 2..7
     for step, log in zip(range(2, 8), training, strict=True):
-        assert log["attnreg/attention_dropout"] == pytest.approx(0.2 * (1 - step / 8))
-        assert log["attnreg/prior_kl"] == pytest.approx((1 - 0.5 * step / 8) * log["attnreg/prior_kl/layer1"], rel=1e-4)
+        assert log["attnreg/attention_dropout_schedule"] == pytest.approx(0.2 * (1 - step / 8))
+        assert log["attnreg/syntax_prior_kl"] == pytest.approx(
+            (1 - 0.5 * step / 8) * log["attnreg/syntax_prior_kl/layer1"], rel=1e-4
+        )
     groups = {group["name"] for group in resumed.optimizer.param_groups}
     assert {"embeddings", "layer0", "layer1", "head"} <= groups
     assert attnreg.attach(resumed.model).attention_dropout(0) == 0.0  # the model's own rate is back
@@ -177,7 +188,7 @@ def test_resume_needs_the_method_state(tmp_path):
         model=tiny_model("bert", head="classification"),
         args=arguments(tmp_path, max_steps=2),
         train_dataset=Stream(8),
-        methods=[methods.Entropy()],
+        methods=[methods.EntropyRegularizer()],
     )
     with pytest.raises(FileNotFoundError, match="attnreg_state.json is missing"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
@@ -186,10 +197,10 @@ def test_resume_needs_the_method_state(tmp_path):
 # -- the same scenario through both adapters --------------------------------------------------------------------
 def scenario():
     return [
-        methods.Entropy(weight=Warmup(0.25, Constant(0.1)), mode="max", layers=[0]),
-        methods.PriorKL(weight=Linear(1.0, 0.5), heads={1: [0]}),
+        methods.EntropyRegularizer(weight=Warmup(0.25, Constant(0.1)), mode="max", layers=[0]),
+        methods.SyntaxPriorKL(weight=Linear(1.0, 0.5), heads={1: [0]}),
         methods.HeadGating(methods.HardConcreteGates(target_warmup=0.5), methods.Removal(keep=5)),
-        methods.DropoutSchedule(Linear(0.2, 0.05)),
+        methods.AttentionDropoutSchedule(Linear(0.2, 0.05)),
         methods.LayerwiseLR(lr=1e-3, decay=0.8, multipliers={"gates": 10}, schedule=Warmup(0.25, Linear(1.0, 0.1))),
     ]
 
@@ -281,7 +292,9 @@ def test_freeze_layers_for_the_first_epoch(tmp_path):
 
 def test_monitor_and_head_importance(tmp_path):
     logs = Logs()
-    monitor = methods.Monitor(every_n_steps=2, heatmaps=False, collapse_threshold=0.9999999, on_collapse="stop")
+    monitor = methods.AttentionMonitor(
+        every_n_steps=2, heatmaps=False, collapse_threshold=0.9999999, on_collapse="stop"
+    )
     scoring = [{k: v for k, v in batch.items() if k != PRIOR_KEY} for batch in DataLoader(list(Stream(8)), 4)]
     importance = methods.HeadImportance(scoring)
     trainer = AttnRegTrainer(
@@ -294,8 +307,8 @@ def test_monitor_and_head_importance(tmp_path):
     with pytest.warns(methods.EntropyCollapseWarning, match="collapse at step 2"):
         trainer.train()
     assert trainer.state.global_step == 2  # on_collapse="stop": near-uniform heads of a random model fall below
-    checked = [log for log in logs.logs if "attnreg/monitor/entropy/layer0" in log]
-    assert len(checked) == 1 and 0.9 < checked[0]["attnreg/monitor/entropy/layer0"] < 0.9999999
+    checked = [log for log in logs.logs if "attnreg/attention_monitor/entropy/layer0" in log]
+    assert len(checked) == 1 and 0.9 < checked[0]["attnreg/attention_monitor/entropy/layer0"] < 0.9999999
     assert monitor.collapses and monitor.collapses[0][0] == 2
     assert sorted(importance.scores) == [0, 1] and all(len(s) == 4 for s in importance.scores.values())
     assert all(torch.isclose(scores.norm(), torch.tensor(1.0)) for scores in importance.scores.values())

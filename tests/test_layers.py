@@ -91,8 +91,8 @@ def test_adapters_name_no_method(entry):
 
 def test_the_adapter_check_sees_a_method_class(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from attnreg.methods import Runner, HeadGating\nisinstance(x, methods.PriorKL)\n")
-    assert method_classes_named(bad) == {"HeadGating", "PriorKL"}
+    bad.write_text("from attnreg.methods import Runner, HeadGating\nisinstance(x, methods.SyntaxPriorKL)\n")
+    assert method_classes_named(bad) == {"HeadGating", "SyntaxPriorKL"}
 
 
 def private_names_used(files: list[Path]) -> dict[str, list[str]]:

@@ -27,8 +27,9 @@ from attnreg.analysis.heads import STATISTICS
 from attnreg.app.analyze import write_report
 from attnreg.app.collect import main as collect_main
 from attnreg.app.configs import CONFIG_DIR, register_resolvers
+from attnreg.app.summary import format_summary
 from attnreg.app.task import build_tokenizer, generate, vocabulary
-from attnreg.app.train import format_summary, train
+from attnreg.app.train import train
 from attnreg.methods.layerwise_lr import LayerwiseLR
 from attnreg.syntax import CollatorStats, Sentence, SyntaxCollator, align_word_ids
 from attnreg.syntax.trees import read_conllu
@@ -132,10 +133,10 @@ def test_every_command_a_config_or_the_docs_show_composes_and_instantiates(where
 
 def test_the_syntax_kl_comment_gives_a_head_map():
     register_resolvers()
-    (line,) = [overrides for where, overrides in shown_commands() if where.startswith("attnreg/syntax_kl.yaml")]
+    (line,) = [overrides for where, overrides in shown_commands() if where.startswith("attnreg/syntax_prior_kl.yaml")]
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", line)
-    assert instantiate(cfg.attnreg.syntax_kl).heads == {0: [3], 1: [4]}
+    assert instantiate(cfg.attnreg.syntax_prior_kl).heads == {0: [3], 1: [4]}
 
 
 # -- attnreg's presets from a user's own Hydra app ------------------------------------------------------
@@ -406,19 +407,22 @@ def test_the_run_summary_gives_a_decoders_left_baseline_over_reachable_parents()
 
 
 def test_a_heads_map_naming_a_missing_layer_is_reported_as_heads():
-    kl = methods.PriorKL(heads={12: [0]})
-    with pytest.raises(IndexError, match=r"PriorKL: heads=\{12: \[0\]\} names layers out of range: .* 6 attention"):
+    kl = methods.SyntaxPriorKL(heads={12: [0]})
+    with pytest.raises(
+        IndexError, match=r"SyntaxPriorKL: heads=\{12: \[0\]\} names layers out of range: .* 6 attention"
+    ):
         kl.bind(tiny_model("bert", layers=6))
 
 
 def test_the_pruned_heads_warning_reads_as_a_sentence():
-    term = methods.PriorKL(heads=[0])
+    term = methods.SyntaxPriorKL(heads=[0])
     term._reported = set()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         term._report_pruned(1, None)
         term._report_pruned(0, 2)
     assert [str(w.message) for w in caught] == [
-        "PriorKL 'prior_kl': every chosen head of layer 1 was pruned, so the term no longer covers the layer",
-        "PriorKL 'prior_kl': head 2 of layer 0 was pruned, so the term no longer covers it",
+        "SyntaxPriorKL 'syntax_prior_kl': every chosen head of layer 1 was pruned, so the term no longer covers the "
+        "layer",
+        "SyntaxPriorKL 'syntax_prior_kl': head 2 of layer 0 was pruned, so the term no longer covers it",
     ]

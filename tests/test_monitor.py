@@ -79,7 +79,7 @@ def test_monitor_values_land_in_the_csv_logger(tmp_path):
     module = Plain(model())
     run(module, monitor, steps=4, logger=CSVLogger(tmp_path, name="run"))
     with open(next(tmp_path.rglob("metrics.csv"))) as handle:
-        rows = [row for row in csv.DictReader(handle) if row.get("attnreg/monitor/entropy/layer0")]
+        rows = [row for row in csv.DictReader(handle) if row.get("attnreg/attention_monitor/entropy/layer0")]
     assert [int(row["step"]) for row in rows] == [2, 4]
     last = rows[-1]
     # The check at step 4 ran on the last batch with the final weights: recompute it independently.
@@ -90,13 +90,15 @@ def test_monitor_values_land_in_the_csv_logger(tmp_path):
         network(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     for layer in range(2):
         entropy = attention_entropy(probs[layer], batch["attention_mask"], normalize=True)
-        logged = [float(last[f"attnreg/monitor/entropy/layer{layer}/head{head}"]) for head in range(4)]
+        logged = [float(last[f"attnreg/attention_monitor/entropy/layer{layer}/head{head}"]) for head in range(4)]
         torch.testing.assert_close(torch.tensor(logged), entropy, rtol=1e-5, atol=1e-6)
-        assert float(last[f"attnreg/monitor/entropy/layer{layer}"]) == pytest.approx(float(entropy.mean()), abs=1e-6)
+        logged = float(last[f"attnreg/attention_monitor/entropy/layer{layer}"])
+        assert logged == pytest.approx(float(entropy.mean()), abs=1e-6)
     accuracy = parent_accuracy(network, tokenizer, GOLD).accuracy
-    logged = [[float(last[f"attnreg/monitor/parent_accuracy/layer{la}/head{h}"]) for h in range(4)] for la in range(2)]
+    key = "attnreg/attention_monitor/parent_accuracy/layer{}/head{}"
+    logged = [[float(last[key.format(la, h)]) for h in range(4)] for la in range(2)]
     torch.testing.assert_close(torch.tensor(logged), accuracy, rtol=0, atol=1e-6)
-    assert float(last["attnreg/monitor/parent_accuracy/best"]) == pytest.approx(float(accuracy.max()))
+    assert float(last["attnreg/attention_monitor/parent_accuracy/best"]) == pytest.approx(float(accuracy.max()))
     assert monitor.collapses == [] and monitor.entropy.shape == (2, 4)
 
 
@@ -125,7 +127,7 @@ def test_heatmaps_go_to_tensorboard(tmp_path):
     pytest.importorskip("matplotlib")
     run(Plain(model()), AttentionMonitor(every_n_steps=2), steps=2, logger=TensorBoardLogger(tmp_path))
     events = b"".join(path.read_bytes() for path in tmp_path.rglob("events.out.tfevents*"))
-    assert b"attnreg/monitor/attention" in events and b"attnreg/monitor/entropy/layer1" in events
+    assert b"attnreg/attention_monitor/attention" in events and b"attnreg/attention_monitor/entropy/layer1" in events
 
 
 def test_bad_settings_are_refused_early():

@@ -52,9 +52,12 @@ def test_two_regularizers_of_one_class_both_act():
     flatten = attnreg.EntropyRegularizer(mode="max", layers=[1], weight=1.0)
     module = classifier()
     fit(module, batches(2), [sharpen, flatten])
-    assert (sharpen.name, flatten.name) == ("entropy", "entropy_2")
-    assert "attnreg/entropy/layer0" in module.logged and "attnreg/entropy_2/layer1" in module.logged
-    assert module.logged["attnreg/entropy"][0] > 0 > module.logged["attnreg/entropy_2"][0]
+    assert (sharpen.name, flatten.name) == ("entropy_regularizer", "entropy_regularizer_2")
+    assert (
+        "attnreg/entropy_regularizer/layer0" in module.logged
+        and "attnreg/entropy_regularizer_2/layer1" in module.logged
+    )
+    assert module.logged["attnreg/entropy_regularizer"][0] > 0 > module.logged["attnreg/entropy_regularizer_2"][0]
     assert sharpen.state_key != flatten.state_key
 
 
@@ -104,7 +107,9 @@ def test_resume_with_more_steps_restretches_every_schedule(tmp_path):
     for step, lr, weight in seen:
         assert lr == pytest.approx(1e-2 * (1 - step / 8))
         assert weight == pytest.approx(1 - step / 8)
-    assert module.logged["attnreg/attention_dropout"] == pytest.approx([0.2 * (1 - s / 8) for s in (4, 5, 6, 7)])
+    assert module.logged["attnreg/attention_dropout_schedule"] == pytest.approx(
+        [0.2 * (1 - s / 8) for s in (4, 5, 6, 7)]
+    )
 
 
 def test_resume_with_the_same_length_does_not_warn(tmp_path):
@@ -148,7 +153,7 @@ def test_a_constant_weight_needs_no_length(tmp_path):
     entropy = attnreg.EntropyRegularizer(weight=0.5)
     module = classifier()
     trainer(tmp_path, -1, [entropy], max_epochs=1).fit(module, DataLoader(Stream(), batch_size=None))
-    assert len(module.logged["attnreg/entropy"]) == 3
+    assert len(module.logged["attnreg/entropy_regularizer"]) == 3
 
 
 # -- a training step that returns None --------------------------------------------------------------------------
@@ -157,7 +162,9 @@ def test_a_step_returning_none_names_the_lost_terms():
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch["input_ids"]).loss  # None: no labels
 
-    with pytest.raises(RuntimeError, match=r"returned None, so attnreg's terms \['entropy', 'prior_kl'\]"):
+    with pytest.raises(
+        RuntimeError, match=r"returned None, so attnreg's terms \['entropy_regularizer', 'syntax_prior_kl'\]"
+    ):
         fit(
             NoLabels(tiny_model("bert", head="classification")),
             batches(1),
@@ -249,10 +256,13 @@ def test_a_layer_pruned_empty_leaves_the_other_layers_regularized():
         fit(module, batches(4), [Bias(), gating, entropy])
     assert attnreg.attach(module.model).layers[1].num_heads == 0
     assert len([w for w in record if "head of layer 1 was pruned" in str(w.message)]) == 1  # said once
-    assert len(module.logged["attnreg/entropy"]) == 4 and all(
-        math.isfinite(v) for v in module.logged["attnreg/entropy"]
+    assert len(module.logged["attnreg/entropy_regularizer"]) == 4 and all(
+        math.isfinite(v) for v in module.logged["attnreg/entropy_regularizer"]
     )
-    assert len(module.logged["attnreg/entropy/layer0"]) == 4 and len(module.logged["attnreg/entropy/layer1"]) == 2
+    assert (
+        len(module.logged["attnreg/entropy_regularizer/layer0"]) == 4
+        and len(module.logged["attnreg/entropy_regularizer/layer1"]) == 2
+    )
 
 
 def test_supervised_heads_keep_their_original_numbers_after_pruning():

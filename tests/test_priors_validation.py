@@ -140,7 +140,7 @@ def test_prior_kl_term_checks_the_prior_values_once_per_batch_and_still_refuses_
     from attnreg.tiny import tiny_model
 
     model = tiny_model("bert", num_hidden_layers=3).train()
-    term = methods.PriorKL(weight=1.0, heads=[1], blockwise=blockwise)
+    term = methods.SyntaxPriorKL(weight=1.0, heads=[1], blockwise=blockwise)
     term.bind(model, set())
     term.start(10)
     input_ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(0))

@@ -104,7 +104,7 @@ def test_kl_to_the_prior_falls_only_with_the_callback(tokenizer, weight):
     after = mean_kl(model, held_out, layer=1, head=0)
     if weight:
         assert after < 0.5 * before
-        assert "attnreg/prior_kl/layer1" in trainer.callback_metrics
+        assert "attnreg/syntax_prior_kl/layer1" in trainer.callback_metrics
         sentences = random_sentences(32, seed=99)
         accuracy = parent_accuracy(model, tokenizer, sentences, max_length=16).accuracy
         assert accuracy[1, 0] > 0.8 and accuracy[1, 0] > accuracy[1, 1:].max() + 0.3

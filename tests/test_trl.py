@@ -101,16 +101,21 @@ def lora_weights(trainer) -> dict[str, torch.Tensor]:
 
 def test_sft_trainer_with_lora_runs_every_method(tmp_path):
     chosen = [
-        methods.Entropy(weight=1.0, mode="max"),
-        methods.PriorKL(heads={1: [0]}, weight=1.0),
-        methods.DropoutSchedule(0.1),
+        methods.EntropyRegularizer(weight=1.0, mode="max"),
+        methods.SyntaxPriorKL(heads={1: [0]}, weight=1.0),
+        methods.AttentionDropoutSchedule(0.1),
         methods.HeadGating(methods.L1Gates(weight=0.05), methods.Removal(keep=6)),
     ]
     trainer = sft(tmp_path / "with", chosen)
     plain = sft(tmp_path / "without", [])
     logged = [log for log in trainer.state.log_history if "loss" in log]
     assert len(logged) == 4
-    for name in ("attnreg/entropy", "attnreg/prior_kl", "attnreg/attention_dropout", "attnreg/head_gating"):
+    for name in (
+        "attnreg/entropy_regularizer",
+        "attnreg/syntax_prior_kl",
+        "attnreg/attention_dropout_schedule",
+        "attnreg/head_gating",
+    ):
         assert all(name in log for log in logged), name
     moved = lora_weights(trainer)
     same = lora_weights(plain)
@@ -131,6 +136,8 @@ def test_sft_trainer_with_lora_runs_every_method(tmp_path):
 
 def test_reentrant_checkpointing_is_refused_with_terms(tmp_path):
     reentrant = {"use_reentrant": True}
-    with pytest.raises(ValueError, match=r"use_reentrant.*the terms of \['entropy'\] would do nothing"):
-        sft(tmp_path, [methods.Entropy()], train=False, gradient_checkpointing_kwargs=reentrant)
-    sft(tmp_path, [methods.DropoutSchedule(0.1)], train=False, gradient_checkpointing_kwargs=reentrant)  # no term
+    with pytest.raises(ValueError, match=r"use_reentrant.*the terms of \['entropy_regularizer'\] would do nothing"):
+        sft(tmp_path, [methods.EntropyRegularizer()], train=False, gradient_checkpointing_kwargs=reentrant)
+    sft(
+        tmp_path, [methods.AttentionDropoutSchedule(0.1)], train=False, gradient_checkpointing_kwargs=reentrant
+    )  # no term

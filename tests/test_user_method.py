@@ -10,7 +10,7 @@ from transformers import Trainer
 
 import attnreg
 from attnreg.integrations.hf import AttnRegTrainer, with_attnreg
-from attnreg.methods import Entropy, Loop, Method, Runner
+from attnreg.methods import EntropyRegularizer, Loop, Method, Runner
 from attnreg.tiny import tiny_model
 
 STEPS, BATCH, LR = 3, 4, 0.5
@@ -99,7 +99,7 @@ class Ordered(IterableDataset):
         return iter(examples())
 
 
-def hugging_face(method, tmp_path) -> dict:
+def hugging_face(method, tmp_path, figure: str = "attnreg/first_token/share") -> dict:
     args = sgd_arguments(
         tmp_path, max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=LR, logging_steps=1
     )
@@ -107,7 +107,7 @@ def hugging_face(method, tmp_path) -> dict:
         model=tiny_model("llama", head="causal_lm").train(), args=args, train_dataset=Ordered(), methods=[method]
     )
     trainer.train()
-    assert all("attnreg/first_token/share" in log for log in trainer.state.log_history if "loss" in log)
+    assert all(figure in log for log in trainer.state.log_history if "loss" in log)
     return trainer.model.state_dict()
 
 
@@ -148,7 +148,7 @@ def test_a_subclass_no_grad_forward_inside_the_step_is_not_captured(tmp_path):
             model=tiny_model("llama", head="causal_lm").train(),
             args=sgd_arguments(tmp_path / trainer_class.__name__, max_steps=STEPS, per_device_train_batch_size=BATCH),
             train_dataset=Ordered(),
-            methods=[Entropy(weight=10.0, mode="max")],
+            methods=[EntropyRegularizer(weight=10.0, mode="max")],
         )
         trainer.train()
         weights.append(trainer.model.state_dict())

@@ -13,7 +13,7 @@ import attnreg
 from attnreg import blockwise
 from attnreg.families import FAMILIES
 from attnreg.losses import admissible_keys, attention_entropy, row_entropy
-from attnreg.methods import Entropy
+from attnreg.methods import EntropyRegularizer
 from attnreg.tiny import tiny_config
 
 WINDOWED = [f.name for f in FAMILIES if getattr(tiny_config(f.name).get_text_config(), "sliding_window", None)]
@@ -75,7 +75,7 @@ def test_a_uniform_head_reads_one_on_sliding_layers(name):
     # The Entropy method, both paths, logs the same per-layer means.
     figures = []
     for blocked in (True, False):
-        method = Entropy(mode="max", blockwise=blocked)
+        method = EntropyRegularizer(mode="max", blockwise=blocked)
         method.bind(model)
         method.start(10)
         with torch.no_grad(), hub.capture(method.layers, inputs=method.inputs) as captured:

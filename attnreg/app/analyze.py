@@ -18,7 +18,9 @@ roles, parent accuracy, the attention of one example) and `summary.md`. For inst
     attnreg-analyze ./minilm ../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu --out report --limit 500
     attnreg-analyze run.ckpt sentences.txt --base ./minilm --out report
 
-Example (`main` takes the command line's arguments; a tiny random model and one tree here):
+The example runs `main` (it takes the command line's arguments) on a tiny random model and one tree.
+
+Example:
     >>> import tempfile
     >>> from attnreg.app.task import build_tokenizer, vocabulary
     >>> from attnreg.tiny import tiny_model
@@ -278,7 +280,9 @@ def write_report(
 ) -> Path:
     """Write the report files of `analysis` into `out` (see the module docstring); returns `out`.
 
-    Example (without the PNGs; `main` draws them):
+    The example leaves out the PNGs (`main` draws them).
+
+    Example:
         >>> import tempfile
         >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
         >>> from attnreg.tiny import tiny_model

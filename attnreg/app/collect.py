@@ -6,9 +6,9 @@ seeds. Writes `collected.md` and `collected.json` into the sweep folder, prints 
 stderr which of the metrics it looked for it found (and the numbers the summaries do hold when it found none).
 
 Example:
-    $ attnreg-train -m attnreg.syntax_kl.weight=0,1 seed=0,1,2
+    $ attnreg-train -m attnreg.syntax_prior_kl.weight=0,1 seed=0,1,2
     $ attnreg-collect multirun/2025-01-31/12-00-00
-    | attnreg.syntax_kl.weight | runs | accuracy.hard | accuracy.test | ... |
+    | attnreg.syntax_prior_kl.weight | runs | accuracy.hard | accuracy.test | ... |
 """
 
 from __future__ import annotations

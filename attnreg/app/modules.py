@@ -17,7 +17,7 @@ Example:
     ...                     enable_model_summary=False, callbacks=[SyntaxPriorKL(layers=[1], heads=[0])])
     >>> trainer.fit(module, loader)
     >>> sorted(trainer.callback_metrics)
-    ['attnreg/prior_kl', 'attnreg/prior_kl/layer1', 'train/loss']
+    ['attnreg/syntax_prior_kl', 'attnreg/syntax_prior_kl/layer1', 'train/loss']
 """
 
 from __future__ import annotations

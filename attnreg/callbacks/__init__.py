@@ -13,10 +13,12 @@ Example:
     ...                             enable_progress_bar=False, enable_model_summary=False)
     >>> trainer.fit(module, DataLoader([batch, batch], batch_size=None))
     >>> sorted(trainer.callback_metrics)
-    ['attnreg/attention_dropout', 'attnreg/entropy', 'attnreg/entropy/layer0', 'attnreg/entropy/layer1', 'train/loss']
+    ['attnreg/attention_dropout_schedule', 'attnreg/entropy_regularizer', 'attnreg/entropy_regularizer/layer0',
+     'attnreg/entropy_regularizer/layer1', 'train/loss']
 """
 
 from attnreg.callbacks.base import MethodCallback, TermCallback
+from attnreg.callbacks.distillation import Distillation
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.monitor import AttentionMonitor, EntropyCollapseWarning
 from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
@@ -27,6 +29,7 @@ __all__ = [
     "AttentionDropoutSchedule",
     "AttentionLoss",
     "AttentionMonitor",
+    "Distillation",
     "EntropyCollapseWarning",
     "EntropyRegularizer",
     "FreezeLayers",

@@ -11,12 +11,12 @@ instances of one class apart. The method's attributes read and write through the
 (`callback.name`, `callback.layers`). `TermCallback` adds a loss term through `attnreg.AttnRegMixin`.
 
 Example:
-    >>> from attnreg.methods import Entropy
+    >>> from attnreg.methods import EntropyRegularizer
     >>> class Sharpen(TermCallback):
-    ...     method_class = Entropy                      # takes Entropy's arguments
+    ...     method_class = EntropyRegularizer                      # takes EntropyRegularizer's arguments
     >>> callback = Sharpen(mode="min", weight=0.1, layers=[0])
     >>> callback.mode, callback.weight, callback.name   # the method's attributes
-    ('min', 0.1, 'entropy')
+    ('min', 0.1, 'entropy_regularizer')
     >>> "mode" in inspect.signature(Sharpen).parameters
     True
 """
@@ -45,9 +45,9 @@ class MethodCallback(L.Callback):
     takes that class's arguments (its signature shows them).
 
     Example:
-        >>> from attnreg.methods import DropoutSchedule
+        >>> from attnreg.methods import AttentionDropoutSchedule
         >>> class Dropout(MethodCallback):
-        ...     method_class = DropoutSchedule
+        ...     method_class = AttentionDropoutSchedule
         >>> callback = Dropout(0.1, layers=[0])
         >>> callback.schedule, callback.method.layers_argument
         (Constant(value=0.1), [0])
@@ -112,7 +112,7 @@ class MethodCallback(L.Callback):
             >>> callback = AttentionDropoutSchedule(0.1)
             >>> callback.bind(None, tiny_model("gpt2"))       # what `setup` does at the start of fit
             >>> callback.name, callback.layers
-            ('attention_dropout', (0, 1))
+            ('attention_dropout_schedule', (0, 1))
         """
         taken = set(pl_module.attnreg_terms) if isinstance(pl_module, AttnRegMixin) else set()
         others = trainer.callbacks if trainer is not None else []
@@ -235,7 +235,7 @@ class TermCallback(MethodCallback):
         >>> module = SequenceClassifier(tiny_model("bert", head="classification"))
         >>> callback = EntropyRegularizer(layers=[1])
         >>> callback.setup(None, module, stage="fit")              # what fit does first
-        >>> module.attnreg_terms["entropy"].layers
+        >>> module.attnreg_terms["entropy_regularizer"].layers
         (1,)
     """
 

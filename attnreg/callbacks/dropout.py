@@ -1,5 +1,5 @@
 """`AttentionDropoutSchedule`: attention (and optionally hidden) dropout that follows a schedule, in
-Lightning (a thin adapter of `attnreg.methods.DropoutSchedule`).
+Lightning (a thin adapter of `attnreg.methods.AttentionDropoutSchedule`).
 
 Example:
     >>> import lightning
@@ -11,13 +11,13 @@ Example:
 
 from __future__ import annotations
 
+from attnreg import methods
 from attnreg.callbacks.base import MethodCallback
-from attnreg.methods.dropout import DropoutSchedule
 
 
 class AttentionDropoutSchedule(MethodCallback):
     """Sets attention dropout to `schedule(progress)` before every training step, logged as `attnreg/<name>`
-    (`attnreg.methods.DropoutSchedule`, which lists the arguments). The LightningModule needs to hold
+    (`attnreg.methods.AttentionDropoutSchedule`, which lists the arguments). The LightningModule needs to hold
     exactly one transformers model (no mixin needed). After `fit` the model's own rates are restored.
 
     Example:
@@ -27,9 +27,9 @@ class AttentionDropoutSchedule(MethodCallback):
         >>> dropout = AttentionDropoutSchedule(CurriculumDropout(final=0.1, gamma=10.0), layers=[0], hidden=0.1)
         >>> dropout.bind(None, model); dropout.start(100)     # what fit does (here without a trainer)
         >>> dropout.before_step(50)                           # before step 50 of 100
-        {'attention_dropout': 0.0993..., 'hidden_dropout': 0.1}
+        {'attention_dropout_schedule': 0.0993..., 'hidden_dropout': 0.1}
         >>> model.bert.encoder.layer[0].output.dropout.p, model.bert.encoder.layer[1].output.dropout.p
         (0.1, 0.0)
     """
 
-    method_class = DropoutSchedule
+    method_class = methods.AttentionDropoutSchedule

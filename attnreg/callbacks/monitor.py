@@ -1,8 +1,8 @@
 """`AttentionMonitor`: watch the heads while training, and catch entropy collapse, in Lightning (a thin
-adapter of `attnreg.methods.Monitor`, which lists the arguments and what is measured).
+adapter of `attnreg.methods.AttentionMonitor`, which lists the arguments and what is measured).
 
 The metrics go to every logger of the trainer; with a TensorBoard logger, a heatmap grid of all layers
-x heads of the batch's first example (`attnreg/monitor/attention`), when matplotlib is installed. With
+x heads of the batch's first example (`attnreg/attention_monitor/attention`), when matplotlib is installed. With
 `on_collapse="stop"` a collapse stops the run (`trainer.should_stop`). The monitor needs only the hub,
 not `attnreg.AttnRegMixin`.
 
@@ -22,8 +22,9 @@ Example:
     >>> monitor.entropy.shape      # [layers, heads] at the last check
     torch.Size([2, 4])
     >>> [name for name in monitor.metrics if "head" not in name]
-    ['attnreg/monitor/entropy/layer0', 'attnreg/monitor/entropy/layer1', 'attnreg/monitor/parent_accuracy/best',
-     'attnreg/monitor/parent_accuracy/layer0', 'attnreg/monitor/parent_accuracy/layer1']
+    ['attnreg/attention_monitor/entropy/layer0', 'attnreg/attention_monitor/entropy/layer1',
+     'attnreg/attention_monitor/parent_accuracy/best', 'attnreg/attention_monitor/parent_accuracy/layer0',
+     'attnreg/attention_monitor/parent_accuracy/layer1']
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ from typing import Any
 
 import lightning as L
 
+from attnreg import methods
 from attnreg.callbacks.base import MethodCallback
-from attnreg.methods.monitor import EntropyCollapseWarning, Monitor
+from attnreg.methods.monitor import EntropyCollapseWarning
 
 __all__ = ["AttentionMonitor", "EntropyCollapseWarning"]
 
 
 class AttentionMonitor(MethodCallback):
     """Logs per-head attention entropy (and parent accuracy on a gold set) every N steps; flags collapse
-    (`attnreg.methods.Monitor`).
+    (`attnreg.methods.AttentionMonitor`).
 
     Example:
         >>> monitor = AttentionMonitor(every_n_steps=50, on_collapse="stop")
@@ -49,7 +51,7 @@ class AttentionMonitor(MethodCallback):
         [0, 50, 100]
     """
 
-    method_class = Monitor
+    method_class = methods.AttentionMonitor
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.bind(trainer, pl_module)  # in every stage: the hub switches the implementation before it runs

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import lightning as L
 
+from attnreg import methods
 from attnreg.callbacks.base import MethodCallback, TermCallback
 from attnreg.methods import pruning
-from attnreg.methods.pruning.importance import HeadImportance as Importance
-from attnreg.methods.pruning.method import HeadGating as Gating
 from attnreg.methods.pruning.method import PruningRound
 from attnreg.mixin import require_mixin
 
@@ -59,7 +58,7 @@ class HeadGating(TermCallback):
         (2, {0: (3, 3), 1: (3, 3)})
     """
 
-    method_class = Gating
+    method_class = methods.HeadGating
 
     def prune(
         self, trainer: L.Trainer, pl_module: L.LightningModule, keep: int | None = None, final: bool = True
@@ -95,4 +94,4 @@ class HeadImportance(MethodCallback):
         {0: (4,), 1: (4,)}
     """
 
-    method_class = Importance
+    method_class = methods.HeadImportance

@@ -1,7 +1,7 @@
 """Attention-loss callbacks: a term of your own, entropy regularization and the syntax-prior KL.
 
-Thin Lightning adapters of `attnreg.methods` (`AttentionPenalty`, `Entropy`, `PriorKL`), which take the
-same arguments: each captures only the layers it names (through the hub) and adds its weighted term to
+Thin Lightning adapters of the methods of the same names in `attnreg.methods`, which take the same
+arguments: each captures only the layers it names (through the hub) and adds its weighted term to
 the training loss through `attnreg.AttnRegMixin`, logged as `attnreg/<name>`, with a per-layer figure
 beside it (`attnreg/<name>/layer<l>`: mean entropy, or KL). `name` left at None is the method's default,
 or `<default>_2`, ... when another callback holds it; two callbacks given one explicit name are an error.
@@ -11,17 +11,17 @@ Example:
     >>> kl, entropy = SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0]), EntropyRegularizer(mode="max", weight=0.01)
     >>> trainer = lightning.Trainer(callbacks=[kl, entropy], logger=False)
     >>> kl.name, entropy.name           # the names of their terms in the loss and the logs
-    ('prior_kl', 'entropy')
+    ('syntax_prior_kl', 'entropy_regularizer')
 """
 
 from __future__ import annotations
 
+from attnreg import methods
 from attnreg.callbacks.base import TermCallback
-from attnreg.methods.regularizers import AttentionPenalty, Entropy, PriorKL
 
 
 class AttentionLoss(TermCallback):
-    """Adds `weight * fn(probs, batch)` to the training loss (`attnreg.methods.AttentionPenalty`).
+    """Adds `weight * fn(probs, batch)` to the training loss (`attnreg.methods.AttentionLoss`).
 
     Example:
         >>> spread = AttentionLoss(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
@@ -29,11 +29,12 @@ class AttentionLoss(TermCallback):
         ('spread', [0], 0.1)
     """
 
-    method_class = AttentionPenalty
+    method_class = methods.AttentionLoss
 
 
 class EntropyRegularizer(TermCallback):
-    """Entropy regularization of attention heads: sharpen, flatten or hold in a band (`attnreg.methods.Entropy`).
+    """Entropy regularization of attention heads: sharpen, flatten or hold in a band
+    (`attnreg.methods.EntropyRegularizer`).
 
     Example:
         >>> entropy = EntropyRegularizer(mode="target", target=(0.3, 0.8), layers=[4, 5], weight=0.1)
@@ -41,11 +42,11 @@ class EntropyRegularizer(TermCallback):
         ('target', (0.3, 0.8), [4, 5])
     """
 
-    method_class = Entropy
+    method_class = methods.EntropyRegularizer
 
 
 class SyntaxPriorKL(TermCallback):
-    """KL(prior ‖ attention) for chosen heads, the prior read from the batch (`attnreg.methods.PriorKL`).
+    """KL(prior ‖ attention) for chosen heads, the prior read from the batch (`attnreg.methods.SyntaxPriorKL`).
 
     Example:
         >>> SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0]).heads   # head 0 of layers 0 and 1
@@ -54,4 +55,4 @@ class SyntaxPriorKL(TermCallback):
         [0, 1, 2]
     """
 
-    method_class = PriorKL
+    method_class = methods.SyntaxPriorKL

@@ -33,13 +33,13 @@ Example:
     >>> trainer = AttnRegTrainer(
     ...     model=tiny_model("bert", head="classification", vocab=len(tokenizer)), args=args, train_dataset=dataset,
     ...     data_collator=SyntaxCollator(tokenizer),
-    ...     methods=[methods.PriorKL(heads={1: [0]}, weight=0.1), methods.Entropy(mode="max", weight=0.01)],
+    ...     methods=[methods.SyntaxPriorKL(heads={1: [0]}, weight=0.1), methods.EntropyRegularizer(mode="max")],
     ... )
     >>> output = trainer.train()                # the Trainer prints its logs, with attnreg's figures
-    {'loss': ..., 'attnreg/prior_kl': ..., 'attnreg/entropy': ...}
+    {'loss': ..., 'attnreg/syntax_prior_kl': ..., 'attnreg/entropy_regularizer': ...}
     >>> sorted(name for name in trainer.state.log_history[0] if name.startswith("attnreg"))
-    ['attnreg/entropy', 'attnreg/entropy/layer0', 'attnreg/entropy/layer1', 'attnreg/prior_kl',
-     'attnreg/prior_kl/layer1']
+    ['attnreg/entropy_regularizer', 'attnreg/entropy_regularizer/layer0', 'attnreg/entropy_regularizer/layer1',
+     'attnreg/syntax_prior_kl', 'attnreg/syntax_prior_kl/layer1']
 """
 
 from __future__ import annotations
@@ -73,16 +73,17 @@ class AttnRegTrainerMixin(KeepColumns):
     Example:
         >>> import tempfile
         >>> from transformers import TrainingArguments
-        >>> from attnreg.methods import DropoutSchedule, Entropy
+        >>> from attnreg.methods import AttentionDropoutSchedule, EntropyRegularizer
         >>> from attnreg.tiny import tiny_model
         >>> args = TrainingArguments(tempfile.mkdtemp(), max_steps=10, report_to=[], use_cpu=True)
         >>> trainer = AttnRegTrainer(model=tiny_model("gpt2", head="causal_lm"), args=args,
-        ...                          methods=[Entropy(), Entropy(layers=[0]), DropoutSchedule(0.1)])
+        ...                          methods=[EntropyRegularizer(), EntropyRegularizer(layers=[0]),
+        ...                                   AttentionDropoutSchedule(0.1)])
         >>> [method.name for method in trainer.attnreg_methods]      # bound to the model, each its own name
-        ['entropy', 'entropy_2', 'attention_dropout']
+        ['entropy_regularizer', 'entropy_regularizer_2', 'attention_dropout_schedule']
         >>> trainer.save_method_state(args.output_dir)                # as with every checkpoint
         >>> sorted(json.loads(Path(args.output_dir, STATE_FILE).read_text()))
-        ['attention_dropout', 'entropy', 'entropy_2']
+        ['attention_dropout_schedule', 'entropy_regularizer', 'entropy_regularizer_2']
     """
 
     def __init__(self, *args: Any, methods: Sequence[Method] = (), **kwargs: Any) -> None:

@@ -5,25 +5,65 @@ Hugging Face `Trainer`) are thin adapters over them.
 
 Example:
     >>> from attnreg import methods
-    >>> entropy = methods.Entropy(mode="max", weight=0.01)
-    >>> kl = methods.PriorKL(heads={0: [3], 1: [4]})
+    >>> entropy = methods.EntropyRegularizer(mode="max", weight=0.01)
+    >>> kl = methods.SyntaxPriorKL(heads={0: [3], 1: [4]})
 """
 
+import warnings
+
 from attnreg.methods.base import Loop, Method, free_name
-from attnreg.methods.dropout import DropoutSchedule, hidden_dropout_modules
+from attnreg.methods.distillation import Distillation
+from attnreg.methods.dropout import AttentionDropoutSchedule, hidden_dropout_modules
+from attnreg.methods.entropy import EntropyRegularizer
 from attnreg.methods.layerwise_lr import FreezeLayers, LayerwiseLR
-from attnreg.methods.monitor import EntropyCollapseWarning, Monitor, MonitorCheck
+from attnreg.methods.loss_term import AttentionLoss, LossTerm
+from attnreg.methods.monitor import AttentionMonitor, EntropyCollapseWarning, MonitorCheck
 from attnreg.methods.pruning.importance import HeadImportance
 from attnreg.methods.pruning.method import HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
-from attnreg.methods.regularizers import AttentionPenalty, Entropy, LossTerm, PriorKL
 from attnreg.methods.runner import Captured, Runner
+from attnreg.methods.syntax_prior import SyntaxPriorKL
+
+RENAMED = {
+    "AttentionPenalty": "AttentionLoss",
+    "DropoutSchedule": "AttentionDropoutSchedule",
+    "Entropy": "EntropyRegularizer",
+    "Monitor": "AttentionMonitor",
+    "PriorKL": "SyntaxPriorKL",
+}
+"""Old method names, still importable for one release with a `DeprecationWarning` naming the new one."""
+
+
+def __getattr__(name: str):
+    """The renamed methods' old names (`attnreg.methods.PriorKL` is `SyntaxPriorKL`), with a warning.
+
+    Example:
+        >>> import warnings
+        >>> from attnreg import methods
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     kl = methods.PriorKL
+        >>> kl is methods.SyntaxPriorKL, str(caught[0].message)
+        (True, 'attnreg.methods.PriorKL is deprecated: use attnreg.methods.SyntaxPriorKL (the same method)')
+    """
+    if name in RENAMED:
+        new = RENAMED[name]
+        warnings.warn(
+            f"attnreg.methods.{name} is deprecated: use attnreg.methods.{new} (the same method)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module 'attnreg.methods' has no attribute {name!r}")
+
 
 __all__ = [
-    "AttentionPenalty",
+    "AttentionDropoutSchedule",
+    "AttentionLoss",
+    "AttentionMonitor",
     "Captured",
-    "DropoutSchedule",
-    "Entropy",
+    "Distillation",
     "EntropyCollapseWarning",
+    "EntropyRegularizer",
     "FreezeLayers",
     "HardConcreteGates",
     "HeadGating",
@@ -33,12 +73,11 @@ __all__ = [
     "Loop",
     "LossTerm",
     "Method",
-    "Monitor",
     "MonitorCheck",
-    "PriorKL",
     "PruningRound",
     "Removal",
     "Runner",
+    "SyntaxPriorKL",
     "free_name",
     "hidden_dropout_modules",
 ]

@@ -21,18 +21,18 @@ stopping, the output folder, and agreement across processes (`broadcast`).
 
 Example:
     >>> import torch
-    >>> from attnreg.methods import Entropy
+    >>> from attnreg.methods import EntropyRegularizer
     >>> from attnreg.tiny import tiny_model
     >>> model = tiny_model("bert", head="classification")
     >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}
-    >>> method = Entropy(mode="max", layers=[0], weight=0.01)
+    >>> method = EntropyRegularizer(mode="max", layers=[0], weight=0.01)
     >>> method.bind(model, taken=set())
     >>> method.start(estimated_steps=1000)
     >>> with method.hub.capture(method.layers, inputs=method.inputs) as record:   # inputs: the blockwise path
     ...     loss = model(**batch).loss
     >>> value, logs = method.term(record, batch, step=0)     # weighted term; figures to log
     >>> round(value.item(), 4), {name: round(figure.item(), 3) for name, figure in logs.items()}
-    (-0.01, {'entropy/layer0': 1.0})
+    (-0.01, {'entropy_regularizer/layer0': 1.0})
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Example:
     >>> from attnreg.tiny import tiny_model
     >>> model = tiny_model("gpt2", head="causal_lm")
     >>> batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 99, (4, 2, 8))]
-    >>> runner = Runner([methods.Entropy(mode="max", weight=0.1), methods.DropoutSchedule(0.1)])
+    >>> runner = Runner([methods.EntropyRegularizer(mode="max", weight=0.1), methods.AttentionDropoutSchedule(0.1)])
     >>> runner.bind(model)
     >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     >>> loop = methods.Loop(optimizers=[optimizer])
@@ -31,7 +31,7 @@ Example:
     ...     runner.step_end(loop)
     >>> runner.fit_end(loop); runner.teardown()
     >>> sorted(runner.figures())                    # means since the last call, for a log
-    ['attnreg/entropy', 'attnreg/entropy/layer0', 'attnreg/entropy/layer1']
+    ['attnreg/entropy_regularizer', 'attnreg/entropy_regularizer/layer0', 'attnreg/entropy_regularizer/layer1']
 """
 
 from __future__ import annotations
@@ -63,10 +63,11 @@ class Runner:
     Example:
         >>> from attnreg import methods
         >>> from attnreg.tiny import tiny_model
-        >>> runner = Runner([methods.Entropy(layers=[0]), methods.Entropy(layers=[1]), methods.PriorKL(heads={1: [0]})])
+        >>> entropy = [methods.EntropyRegularizer(layers=[0]), methods.EntropyRegularizer(layers=[1])]
+        >>> runner = Runner([*entropy, methods.SyntaxPriorKL(heads={1: [0]})])
         >>> runner.bind(tiny_model("bert"))
         >>> [method.name for method in runner.methods], runner.capture_layers(inputs=True), runner.batch_keys
-        (['entropy', 'entropy_2', 'prior_kl'], (0, 1), ('attnreg_prior',))
+        (['entropy_regularizer', 'entropy_regularizer_2', 'syntax_prior_kl'], (0, 1), ('attnreg_prior',))
         >>> Runner([methods.LayerwiseLR(lr=1e-3), methods.LayerwiseLR(lr=1e-4)])
         Traceback (most recent call last):
         ...

@@ -1,4 +1,5 @@
-"""Knowledge distillation from the unpruned model (Hinton et al. 2015; TinyBERT's layer matching).
+"""Knowledge distillation from a teacher (Hinton et al. 2015; TinyBERT's layer matching): the functional form
+`distillation_loss` and the method `Distillation`, which adds it to the loss in any loop.
 
 Example:
     >>> from attnreg.methods.distillation import check_distillation
@@ -6,5 +7,6 @@ Example:
 """
 
 from attnreg.methods.distillation.losses import check_distillation, distillation_loss
+from attnreg.methods.distillation.method import Distillation
 
-__all__ = ["check_distillation", "distillation_loss"]
+__all__ = ["Distillation", "check_distillation", "distillation_loss"]

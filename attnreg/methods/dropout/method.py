@@ -10,10 +10,12 @@ Example:
     >>> from attnreg.schedules import EarlyDropout
     >>> from attnreg.tiny import tiny_model
     >>> model = tiny_model("bert", head="classification")
-    >>> dropout = DropoutSchedule(EarlyDropout(0.1, cutoff=0.25), hidden=0.1)
+    >>> dropout = AttentionDropoutSchedule(EarlyDropout(0.1, cutoff=0.25), hidden=0.1)
     >>> dropout.bind(model, taken=set()); dropout.start(estimated_steps=1000)
-    >>> dropout.before_step(step=100), dropout.before_step(step=500)
-    ({'attention_dropout': 0.1, 'hidden_dropout': 0.1}, {'attention_dropout': 0.0, 'hidden_dropout': 0.1})
+    >>> dropout.before_step(step=100)
+    {'attention_dropout_schedule': 0.1, 'hidden_dropout': 0.1}
+    >>> dropout.before_step(step=500)
+    {'attention_dropout_schedule': 0.0, 'hidden_dropout': 0.1}
     >>> dropout.unbind(); model.bert.encoder.layer[0].output.dropout.p    # the model's own rate again
     0.0
 """
@@ -59,7 +61,7 @@ def hidden_dropout_modules(model: nn.Module, family: Family, layers: Iterable[in
     ]
 
 
-class DropoutSchedule(Method):
+class AttentionDropoutSchedule(Method):
     """Attention dropout at `schedule(progress)` on `layers` (None = all), set before every step.
 
     - `schedule`: an `attnreg.schedules` schedule, any callable of progress in [0, 1], or a number.
@@ -72,13 +74,13 @@ class DropoutSchedule(Method):
     Example:
         >>> from attnreg.schedules import Linear
         >>> from attnreg.tiny import tiny_model
-        >>> dropout = DropoutSchedule(Linear(0.2, 0.0), layers=[1])
+        >>> dropout = AttentionDropoutSchedule(Linear(0.2, 0.0), layers=[1])
         >>> dropout.bind(tiny_model("llama"), taken=set()); dropout.start(estimated_steps=10)
         >>> dropout.before_step(5), dropout.hub.attention_dropout(1), dropout.hub.attention_dropout(0)
-        ({'attention_dropout': 0.1}, 0.1, 0.0)
+        ({'attention_dropout_schedule': 0.1}, 0.1, 0.0)
     """
 
-    default_name = "attention_dropout"
+    default_name = "attention_dropout_schedule"
 
     def __init__(
         self,

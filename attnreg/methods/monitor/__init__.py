@@ -1,11 +1,12 @@
-"""The monitor: per-head entropy (and parent accuracy on a gold set) while training, and entropy collapse.
+"""The attention monitor: per-head entropy (and parent accuracy on a gold set) while training, and entropy
+collapse.
 
 Example:
-    >>> from attnreg.methods.monitor import Monitor
-    >>> Monitor(every_n_steps=50).name
-    'monitor'
+    >>> from attnreg.methods.monitor import AttentionMonitor
+    >>> AttentionMonitor(every_n_steps=50).name
+    'attention_monitor'
 """
 
-from attnreg.methods.monitor.method import EntropyCollapseWarning, Monitor, MonitorCheck
+from attnreg.methods.monitor.method import AttentionMonitor, EntropyCollapseWarning, MonitorCheck
 
-__all__ = ["EntropyCollapseWarning", "Monitor", "MonitorCheck"]
+__all__ = ["AttentionMonitor", "EntropyCollapseWarning", "MonitorCheck"]

@@ -16,12 +16,12 @@ Example:
     >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
     >>> from attnreg.tiny import tiny_model
     >>> tokenizer, sentences = build_tokenizer(vocabulary()), [example.sentence for example in generate(4, seed=0)]
-    >>> monitor = Monitor(every_n_steps=50, gold_sentences=sentences, tokenizer=tokenizer)
+    >>> monitor = AttentionMonitor(every_n_steps=50, gold_sentences=sentences, tokenizer=tokenizer)
     >>> monitor.bind(tiny_model("bert", head="classification", vocab=len(tokenizer)))
     >>> batch = tokenizer([sentence.text for sentence in sentences], padding=True, return_tensors="pt")
     >>> if monitor.due(step=0):
     ...     check = monitor.check(batch, step=0)     # check.metrics, check.stop
-    >>> check.stop, check.entropy.shape, round(check.metrics["attnreg/monitor/parent_accuracy/best"], 3)
+    >>> check.stop, check.entropy.shape, round(check.metrics["attnreg/attention_monitor/parent_accuracy/best"], 3)
     (False, torch.Size([2, 4]), 0.167)
 """
 
@@ -48,7 +48,7 @@ class EntropyCollapseWarning(UserWarning):
     Example:
         >>> import warnings
         >>> from attnreg.tiny import tiny_model
-        >>> monitor = Monitor(collapse_threshold=0.2)
+        >>> monitor = AttentionMonitor(collapse_threshold=0.2)
         >>> monitor.bind(tiny_model("bert"))
         >>> monitor.hub.set_temperature(1e-4)                  # near one-hot attention: collapsed
         >>> with warnings.catch_warnings():
@@ -67,11 +67,11 @@ class MonitorCheck:
 
     Example:
         >>> from attnreg.tiny import tiny_model
-        >>> monitor = Monitor(every_n_steps=10, log_heads=False)
+        >>> monitor = AttentionMonitor(every_n_steps=10, log_heads=False)
         >>> monitor.bind(tiny_model("gpt2"))
         >>> check = monitor.check({"input_ids": torch.tensor([[5, 6, 7, 8]])}, step=10)
         >>> sorted(check.metrics), list(check.probs), check.stop
-        (['attnreg/monitor/entropy/layer0', 'attnreg/monitor/entropy/layer1'], [0, 1], False)
+        (['attnreg/attention_monitor/entropy/layer0', 'attnreg/attention_monitor/entropy/layer1'], [0, 1], False)
     """
 
     metrics: dict[str, float]
@@ -81,7 +81,7 @@ class MonitorCheck:
     stop: bool
 
 
-class Monitor(Method):
+class AttentionMonitor(Method):
     """Per-head attention entropy (and parent accuracy on a gold set) every N steps; flags collapse.
 
     Args:
@@ -99,7 +99,7 @@ class Monitor(Method):
 
     Example:
         >>> from attnreg.tiny import tiny_model
-        >>> monitor = Monitor(every_n_steps=50, collapse_threshold=0.1, on_collapse="stop")
+        >>> monitor = AttentionMonitor(every_n_steps=50, collapse_threshold=0.1, on_collapse="stop")
         >>> monitor.bind(tiny_model("bert"))
         >>> [step for step in (0, 49, 50, 100) if monitor.due(step)]
         [0, 50, 100]
@@ -108,7 +108,7 @@ class Monitor(Method):
         (torch.Size([2, 4]), [], False)
     """
 
-    default_name = "monitor"
+    default_name = "attention_monitor"
     needs = frozenset({"gold_trees", "tokenizer"})  # what the app gives it when it has them
 
     def __init__(
@@ -121,7 +121,7 @@ class Monitor(Method):
         log_heads: bool = True,
         heatmaps: bool = True,
         max_length: int | None = 128,
-        prefix: str = "attnreg/monitor",
+        prefix: str = "attnreg/attention_monitor",
     ) -> None:
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from attnreg.hub import AttentionRecord
 from attnreg.methods import pruning
 from attnreg.methods.base import Loop, Method
-from attnreg.methods.regularizers import check_weight
+from attnreg.methods.loss_term import check_weight
 from attnreg.schedules import ScheduleLike, as_schedule
 
 Milestones = Sequence[tuple[float, int]]

@@ -1,23 +1,22 @@
-"""Loss terms on captured attention: a term of your own, entropy regularization, the syntax-prior KL.
+"""Loss terms on captured attention: `LossTerm`, the base of every method that adds a term to the loss
+(entropy regularization, the syntax-prior KL, head gates), and `AttentionLoss`, a term of your own.
 
-Each method names the layers it captures (`layers`) and, given the captured attention of one training
-micro-batch, returns its weighted term and the figures to log (`<name>/layer<l>`: mean entropy, or KL).
-Heads are given by their original numbers, which stay valid when pruning removes others; a layer or
-head pruned away drops out of the term, said once in a warning.
+Each term names the layers it captures (`layers`) and, given the captured attention of one training
+micro-batch, returns its weighted term and the figures to log (`<name>/layer<l>`). Heads are given by
+their original numbers, which stay valid when pruning removes others; a layer or head pruned away drops
+out of the term, said once in a warning.
 
 Example:
     >>> import torch, attnreg
-    >>> from attnreg.schedules import Linear
     >>> from attnreg.tiny import tiny_model
-    >>> model = tiny_model("bert")                                      # 2 layers x 4 heads
-    >>> kl = PriorKL(weight=Linear(1.0, 0.5), heads={0: [3], 1: [2]})
-    >>> kl.bind(model); kl.start(1000)                                  # 1,000 optimizer steps in all
-    >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attnreg_prior": torch.tensor([[1, -1, 1, 2]])}
-    >>> with attnreg.attach(model).capture(kl.layers, inputs=kl.inputs) as record:
-    ...     loss = model(input_ids=batch["input_ids"]).last_hidden_state.pow(2).mean()
-    >>> value, logs = kl.term(record, batch, step=500)                  # weighted at 0.75
-    >>> loss = loss + value; sorted(logs)
-    ['prior_kl/layer0', 'prior_kl/layer1']
+    >>> model = tiny_model("bert")
+    >>> first = AttentionLoss(lambda probs, batch: probs[0][..., 0].mean(), name="first_key", layers=[0])
+    >>> first.bind(model); first.start(100)
+    >>> with attnreg.attach(model).capture(first.layers) as probs:
+    ...     _ = model(input_ids=torch.tensor([[5, 6, 7]]))
+    >>> value, logs = first.term(probs, {}, step=0)
+    >>> value.requires_grad, first.name
+    (True, 'first_key')
 """
 
 from __future__ import annotations
@@ -30,13 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnreg import blockwise
 from attnreg.heads import head_numbers, pruned_heads
 from attnreg.hub import AttentionRecord, LayerInputs
-from attnreg.losses import EntropyMode, HeadReduction, attention_entropy, entropy_penalty, prior_kl
 from attnreg.methods.base import Method
 from attnreg.schedules import ScheduleLike, as_schedule
-from attnreg.syntax.data import PRIOR_KEY
 
 Heads = Iterable[int] | Mapping[int, Iterable[int]] | None
 TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
@@ -173,7 +169,7 @@ class LossTerm(Method):
         warnings.warn(f"{type(self).__name__} {self.name!r}: {what}", stacklevel=3)
 
 
-class AttentionPenalty(LossTerm):
+class AttentionLoss(LossTerm):
     """`weight * fn(probs, batch)`: `fn` receives the captured attention of `layers` (None = all) as an
     `AttentionRecord` and the batch, and returns a scalar tensor.
 
@@ -181,7 +177,7 @@ class AttentionPenalty(LossTerm):
         >>> import torch, attnreg
         >>> from attnreg.tiny import tiny_model
         >>> model = tiny_model("bert")
-        >>> spread = AttentionPenalty(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
+        >>> spread = AttentionLoss(lambda probs, batch: probs[0].var(), name="spread", layers=[0], weight=0.1)
         >>> spread.bind(model); spread.start(100)
         >>> with attnreg.attach(model).capture(spread.layers) as probs:     # probabilities, materialized
         ...     _ = model(input_ids=torch.tensor([[5, 6, 7]]))
@@ -204,136 +200,6 @@ class AttentionPenalty(LossTerm):
 
     def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.fn(probs, batch), {}
-
-
-class Entropy(LossTerm):
-    """Entropy regularization of attention heads.
-
-    `mode="min"` sharpens, `"max"` flattens (EAR), `"target"` keeps each head (or each layer's head
-    mean, `per="layer"`) inside `target=(lo, hi)`. Entropies are normalized by log(admissible keys)
-    unless `normalize=False`; `heads` limits the loss to some heads of every chosen layer. Logs the
-    mean entropy of each layer as `<name>/layer<l>`. With `blockwise` (the default) the layers stay on
-    SDPA and the entropies are recomputed in blocks (`attnreg.blockwise`: the same values and gradients,
-    nothing of size `[T, S]` kept); `blockwise=False` materializes the attention instead.
-
-    Example:
-        >>> import torch, attnreg
-        >>> from attnreg.tiny import tiny_model
-        >>> model = tiny_model("gpt2")
-        >>> entropy = Entropy(mode="target", target=(0.3, 0.8), layers=[1], weight=0.1)
-        >>> entropy.bind(model); entropy.start(100)
-        >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.ones(1, 4)}
-        >>> with attnreg.attach(model).capture(entropy.layers, inputs=True) as record:
-        ...     _ = model(**batch)
-        >>> value, logs = entropy.term(record, batch, step=0)      # random weights: near uniform, above 0.8
-        >>> float(value) > 0, list(logs)
-        (True, ['entropy/layer1'])
-        >>> with attnreg.attach(model).capture(entropy.layers) as probs:   # probabilities: the wrong kind
-        ...     _ = model(**batch)
-        >>> entropy.term(probs, batch, step=0)
-        Traceback (most recent call last):
-        TypeError: Entropy 'entropy' (blockwise=True) reads layer 1 as captured by hub.capture(layers, inputs=True), ...
-    """
-
-    default_name = "entropy"
-
-    def __init__(
-        self,
-        weight: ScheduleLike = 0.01,
-        mode: EntropyMode = "min",
-        target: tuple[float, float] | None = None,
-        layers: int | Iterable[int] | None = None,
-        heads: Heads = None,
-        normalize: bool = True,
-        per: str = "head",
-        name: str | None = None,
-        blockwise: bool = True,
-    ) -> None:
-        target = None if target is None else tuple(target)
-        entropy_penalty(torch.zeros(1), mode, target, per)  # validate the options now, not at step one
-        super().__init__(name, layers, weight, heads)
-        self.mode, self.target, self.per, self.normalize = mode, target, per, normalize
-        self.inputs = blockwise
-
-    def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "mode": self.mode, "target": self.target}
-
-    def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        active = self.active_heads()
-        entropies = []
-        for layer, heads in active.items():
-            if self.inputs:
-                captured = self.captured(probs, layer)
-                entropies.append(blockwise.attention_entropy(captured, mask, self.causal, self.normalize, heads))
-                continue
-            captured = self.captured(probs, layer)  # the layer's own mask counts its keys (sliding windows)
-            layer_mask = probs.attention_mask(layer) if isinstance(probs, AttentionRecord) else None
-            entropy = attention_entropy(captured, mask, self.causal, self.normalize, layer_mask)
-            entropies.append(entropy if heads is None else entropy[heads])
-        if not entropies:
-            return torch.zeros((), device=next(self.model.parameters()).device), {}
-        logs = self.layer_figures(active, torch.stack([entropy.mean() for entropy in entropies]))
-        if self.per == "layer" or len({len(entropy) for entropy in entropies}) == 1:
-            return entropy_penalty(torch.stack(entropies), self.mode, self.target, self.per), logs
-        return torch.stack([entropy_penalty(entropy, self.mode, self.target) for entropy in entropies]).mean(), logs
-
-
-class PriorKL(LossTerm):
-    """KL(prior ‖ attention) for chosen heads, with the prior read from the batch.
-
-    The batch (a dict) carries `batch[prior_key]` (default "attnreg_prior"): key indices `[B, T]`
-    (-1 = row left out) or dense rows `[B, T, S]`, aligned with the model's tokens, as
-    `attnreg.syntax.SyntaxCollator` builds them. For decoders the prior is restricted to earlier keys.
-    `head_reduction`: "mean_heads" (mean of per-head KLs) or "mean_attention" (KL of the head mean).
-    `blockwise` as for `Entropy`.
-
-    Example:
-        >>> PriorKL(weight=1.0, layers=[0, 1], heads=[0]).layers          # head 0 of layers 0 and 1
-        [0, 1]
-        >>> PriorKL(heads={0: [3], 1: [4], 2: [8]}).layers                # one chosen head per layer
-        [0, 1, 2]
-    """
-
-    default_name = "prior_kl"
-    needs = frozenset({"prior"})
-
-    def __init__(
-        self,
-        weight: ScheduleLike = 1.0,
-        layers: int | Iterable[int] | None = None,
-        heads: Heads = None,
-        head_reduction: HeadReduction = "mean_heads",
-        prior_key: str = PRIOR_KEY,
-        name: str | None = None,
-        blockwise: bool = True,
-    ) -> None:
-        if head_reduction not in ("mean_heads", "mean_attention"):
-            raise ValueError(f"head_reduction must be 'mean_heads' or 'mean_attention', got {head_reduction!r}")
-        super().__init__(name, layers, weight, heads)
-        self.head_reduction, self.prior_key = head_reduction, prior_key
-        self.batch_keys = (prior_key,)
-        self.inputs = blockwise
-
-    def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if not isinstance(batch, dict) or self.prior_key not in batch:
-            keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
-            raise KeyError(
-                f"{type(self).__name__} reads the prior from batch[{self.prior_key!r}]; the batch has {keys}. "
-                "Build batches with attnreg.syntax.SyntaxCollator (or put your own prior under that key)."
-            )
-        prior = batch[self.prior_key]
-        active = self.active_heads()
-        if not active:
-            return torch.zeros((), device=next(self.model.parameters()).device), {}
-        kl = blockwise.prior_kl if self.inputs else prior_kl
-        losses = torch.stack(
-            [  # the prior's values are checked once per batch, with the first layer (one sync, not one a layer)
-                kl(self.captured(probs, layer), prior, heads, self.head_reduction, self.causal, check_values=i == 0)
-                for i, (layer, heads) in enumerate(active.items())
-            ]
-        )
-        return losses.mean(), self.layer_figures(active, losses)
 
 
 def check_weight(weight: Any, what: str) -> float:

@@ -1,0 +1,123 @@
+"""Which attnreg callbacks a composed config turns on, what each needs from the data, and the config names
+that were renamed.
+
+Example:
+    >>> import attnreg
+    >>> sorted(needs_of(attnreg.SyntaxPriorKL(layers=[0])))
+    ['prior']
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import lightning as L
+from omegaconf import DictConfig
+
+MONITOR_GOLD_SENTENCES = 64  # how many held-out gold trees a callback that needs "gold_trees" gets
+
+# What an attnreg callback may declare in its class attribute `needs` (a frozenset of these names) and
+# what the app then provides; a callback without `needs` needs nothing from the data.
+NEEDS = {
+    "prior": "the data module adds the syntax prior to every batch (batch['attnreg_prior'])",
+    "gold_trees": f"up to {MONITOR_GOLD_SENTENCES} held-out sentences with gold trees as `callback.gold_sentences`",
+    "tokenizer": "the data's tokenizer as `callback.tokenizer`",
+}
+
+RENAMED_CONFIGS = {
+    "syntax_kl": "syntax_prior_kl",
+    "syntax_kl_minilm": "syntax_prior_kl_minilm",
+    "entropy": "entropy_regularizer",
+    "entropy_max": "entropy_regularizer_max",
+    "dropout_schedule": "attention_dropout_schedule",
+    "monitor": "attention_monitor",
+    "hard_concrete": "head_gating_hard_concrete",
+}
+"""Old names of the `attnreg` config group, still usable for one release: the method's name is the new one."""
+
+
+def warn_renamed(choices: Mapping[str, Any]) -> list[str]:
+    """Warn (`DeprecationWarning`) for each renamed config chosen in the `attnreg` group; returns the old names.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_renamed({"attnreg": "[syntax_kl, head_gating]"})
+        ['syntax_kl']
+        >>> print(caught[0].message)
+        attnreg=syntax_kl is deprecated: use attnreg=syntax_prior_kl (the same config under the method's name)
+    """
+    chosen = re.findall(r"\w+", str(choices.get("attnreg") or ""))
+    old = [name for name in chosen if name in RENAMED_CONFIGS]
+    for name in old:
+        warnings.warn(
+            f"attnreg={name} is deprecated: use attnreg={RENAMED_CONFIGS[name]} (the same config under the method's "
+            "name)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    return old
+
+
+def attnreg_settings(cfg: DictConfig) -> dict[str, DictConfig]:
+    """{name: config node} of the attnreg callbacks that `cfg` turns on (a null node is off).
+
+    Example:
+        >>> import hydra
+        >>> from attnreg.app.configs import CONFIG_DIR
+        >>> both, off = "attnreg=[syntax_prior_kl,entropy_regularizer]", "attnreg.syntax_prior_kl=null"
+        >>> choices = [[], [both], ["attnreg=none"], [off]]
+        >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        ...     configs = [hydra.compose("train", overrides) for overrides in choices]
+        >>> [list(attnreg_settings(cfg)) for cfg in configs]
+        [['syntax_prior_kl'], ['syntax_prior_kl', 'entropy_regularizer'], [], []]
+        >>> attnreg_settings(configs[0])["syntax_prior_kl"]._target_
+        'attnreg.SyntaxPriorKL'
+    """
+    return {name: node for name, node in (cfg.get("attnreg") or {}).items() if node is not None}
+
+
+def needs_of(callback: L.Callback) -> frozenset[str]:
+    """What `callback` declares it needs from the data (its `needs`; none without one), see `NEEDS`;
+    raises ValueError on a need the app cannot provide.
+
+    Example:
+        >>> import attnreg
+        >>> sorted(needs_of(attnreg.AttentionMonitor())), sorted(needs_of(attnreg.SyntaxPriorKL(layers=[0])))
+        (['gold_trees', 'tokenizer'], ['prior'])
+        >>> needs_of(L.Callback())                    # a callback without `needs` needs nothing
+        frozenset()
+    """
+    needs = frozenset(getattr(callback, "needs", frozenset()))
+    if needs - NEEDS.keys():
+        raise ValueError(
+            f"{type(callback).__name__} needs {sorted(needs - NEEDS.keys())}, which attnreg-train cannot provide "
+            f"(it provides {', '.join(NEEDS)})"
+        )
+    return needs
+
+
+def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
+    """Give each callback the gold trees and tokenizer its `needs` asks for, unless it was given its own
+    (the prior is in the batches: the data module builds it when a callback needs it).
+
+    Example:
+        >>> import attnreg
+        >>> from attnreg.app.datamodules import AgreementDataModule
+        >>> data = AgreementDataModule(train=8, val=4, test=100, hard=2)   # gold trees: the 100 test sentences
+        >>> monitor = attnreg.AttentionMonitor(every_n_steps=10)
+        >>> provide([monitor], data)
+        >>> len(monitor.gold_sentences), monitor.tokenizer is data.tokenizer
+        (64, True)
+    """
+    for callback in callbacks:
+        needs = needs_of(callback)
+        if "gold_trees" in needs and callback.gold_sentences is None:
+            data.setup("fit")  # idempotent: fit reuses the datasets
+            callback.gold_sentences = (data.tree_sentences() or [])[:MONITOR_GOLD_SENTENCES] or None
+        if "tokenizer" in needs and callback.tokenizer is None:
+            callback.tokenizer = data.tokenizer
