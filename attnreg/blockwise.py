@@ -7,6 +7,14 @@ the admissible keys of row i):
 - `-sum_j r_j log p_ij = LSE_i - sum_j r_j s_ij` (cross-entropy to a dense prior row `r`);
 - `H_i = LSE_i - sum_j p_ij s_ij` (entropy).
 
+gpt-oss's sinks (a learned logit `c_h` per head, `sinks`) join each row's softmax as one more outcome that no value
+reads: `LSE_i` then includes `exp(c_h)`, so `p_ij` sum to `1 - p_i,sink` (eager gpt-oss's `output_attentions`,
+`hub.attention_probabilities(..., sinks=)`), the parent NLL is `LSE_i - s_i,parent` as before, and the entropy is
+that of the whole softmax, the sink one outcome among the keys: `H_i = LSE_i - sum_j p_ij s_ij - p_i,sink c_h`
+(normalized by the log of the admitted keys plus one, so a head uniform over keys and sink reads 1; the materialized
+`attnreg.losses.attention_entropy(..., sink=True)` counts the missing mass `1 - sum_j p_ij` the same way). The sink
+logits get their gradient (`dH/dc = -p_sink (c - E)`, `dNLL/dc = p_sink`), summed over batch and rows.
+
 `query` and `key` are what transformers hands an attention function (`[B, H, T, d]`, `[B, H_kv, S, d]`,
 after RoPE; grouped-query keys not yet repeated), and `attention_mask` its SDPA mask (boolean, additive
 float, or None); `causal` masks the keys after each query on top of it. Values and gradients equal the
@@ -17,7 +25,8 @@ Design (what the measurements kept):
 
 - The layer's own output stays on SDPA (flash kernels where there are some); the loss recomputes the
   scores of only the regularized heads, `block_size` queries at a time, reduces each block to numbers per
-  row and lets it go. A causal block computes only the keys its rows may see (half the work on average).
+  row and lets it go. A causal block computes only the keys its rows may see (half the work on average),
+  and masks only the keys its causal edge crosses (those after its first row's own), not the whole block.
 - Entropy and the one-hot parent NLL (the LISA case) run in custom autograd functions (`_BlockEntropy`,
   `_BlockParentNLL`) that save the block's inputs (views that SDPA keeps anyway) and one or two numbers
   per row: `E_i = sum_j p_ij s_ij` for entropy, the parent index for the NLL. Backward recomputes the
@@ -71,9 +80,11 @@ def row_entropy(
     causal: bool = False,
     block_size: int = BLOCK_SIZE,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Entropy (nats) of every attention row of `heads` (None = all): `[B, len(heads), T]`, in float32;
-    `softcap` caps the logits first, as Gemma 2 does.
+    `softcap` caps the logits first, as Gemma 2 does; `sinks` `[H]` (gpt-oss) join the softmax as one more
+    outcome, whose share counts in the entropy (divided by `temperature` too).
 
     Each block runs in `_BlockEntropy`, whose backward recomputes the block's scores and writes the
     gradient out, `dH/ds_ij = -p_ij (log p_ij + H_i)`, from the row statistics kept by forward.
@@ -82,9 +93,12 @@ def row_entropy(
         >>> query, key = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
         >>> row_entropy(query, key, None, scaling=0.5, causal=True)[0, 0, 0].item()   # one key: 0 nats
         0.0
+        >>> zero = torch.zeros(1, 1, 3, 4)                   # the first row: one key and a sink of equal logit
+        >>> round(row_entropy(zero, zero, None, 0.5, causal=True, sinks=torch.zeros(1))[0, 0, 0].item(), 4)
+        0.6931
     """
-    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap)
-    return torch.cat([_BlockEntropy.apply(*block[:7]) for block in blocks], dim=-1)
+    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap, sinks)
+    return torch.cat([_BlockEntropy.apply(*block[:8]) for block in blocks], dim=-1)
 
 
 def prior_cross_entropy(
@@ -99,10 +113,12 @@ def prior_cross_entropy(
     block_size: int = BLOCK_SIZE,
     mean_attention: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`-sum_j r_ij log p_ij` for every row: `[B, len(heads), T]` (`[B, 1, T]` with `mean_attention`, where
     `p` is the heads' mean attention), float32. `prior`: key indices `[B, T]` (-1: row left out, reads 0)
-    or dense rows `[B, T, S]`. `log p` is clamped at 1e-12, as `attnreg.losses.prior_kl` clamps.
+    or dense rows `[B, T, S]`. `log p` is clamped at 1e-12, as `attnreg.losses.prior_kl` clamps. `sinks` `[H]`
+    (gpt-oss) join the softmax denominator: `p` is what eager gpt-oss attends with, rows summing to less than 1.
 
     Key indices with `mean_heads` (the LISA case) run in `_BlockParentNLL`, which keeps only row
     statistics for backward; dense rows and `mean_attention` recompute each block under
@@ -114,17 +130,19 @@ def prior_cross_entropy(
         >>> prior_cross_entropy(query, key, None, parents, 0.5, heads=[1], causal=True)[0, 0, [0, 3]]
         tensor([0., 0.])
     """
-    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap)
+    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap, sinks)
     if prior.dim() == 2 and not mean_attention:
-        return torch.cat([_BlockParentNLL.apply(*block[:7], prior[:, block.rows]) for block in blocks], dim=-1)
+        return torch.cat([_BlockParentNLL.apply(*block[:8], prior[:, block.rows]) for block in blocks], dim=-1)
 
     def cross_entropy(block: _Block) -> torch.Tensor:
-        scores = _scores(block.query, block.key, block.mask, block.causal_rows, block.scaling, block.softcap)
+        scores = _scores(
+            block.query, block.key, block.sink, block.mask, block.causal_rows, block.scaling, block.softcap
+        )
         rows, seen = block.rows, block.key.shape[2]
         if mean_attention:
-            log_p = torch.softmax(scores, dim=-1).mean(1, keepdim=True).clamp_min(_TINY).log()
+            log_p = torch.softmax(scores, dim=-1)[..., :seen].mean(1, keepdim=True).clamp_min(_TINY).log()
         else:
-            log_p = torch.log_softmax(scores, dim=-1).clamp_min(_LOG_TINY)
+            log_p = torch.log_softmax(scores, dim=-1)[..., :seen].clamp_min(_LOG_TINY)  # the sink's column dropped
         if prior.dim() == 3:  # keys after a causal block read the clamp, as masked keys do
             unseen = prior[:, None, rows, seen:].float().sum(-1) * -_LOG_TINY
             return unseen - (prior[:, None, rows, :seen].float() * log_p).sum(-1)
@@ -175,11 +193,13 @@ def attention_entropy(
         causal=inputs.causal,
         block_size=block_size,
         softcap=inputs.softcap,
+        sinks=inputs.sinks,
     )
     layer_mask = inputs.attention_mask
     if layer_mask is not None and layer_mask.dim() == 4 and layer_mask.shape[1] > 1 and heads is not None:
         layer_mask = layer_mask[:, list(heads)]  # a mask per head: the chosen heads'
-    return mean_row_entropy(entropy, attention_mask, inputs.key.shape[2], causal, normalize, layer_mask)
+    sink = inputs.sinks is not None
+    return mean_row_entropy(entropy, attention_mask, inputs.key.shape[2], causal, normalize, layer_mask, sink)
 
 
 def prior_kl(
@@ -220,17 +240,20 @@ def prior_kl(
         block_size=block_size,
         mean_attention=reduction == "mean_attention",
         softcap=inputs.softcap,
+        sinks=inputs.sinks,
     )
     return kl_from_cross_entropy(cross_entropy, prior)
 
 
 class _Block(NamedTuple):
     """One block of query rows (divided by the temperature, if any), the keys those rows may see (a causal
-    layer's block stops at its last row's key), their mask rows, for a causal layer `(first row, key
-    offset)` to mask later keys with, the layer's key count S, the scaling and the logit softcap (Gemma 2)."""
+    layer's block stops at its last row's key), the sink logits of its heads (gpt-oss, divided by the temperature;
+    else None), their mask rows, for a causal layer `(first row, key offset)` to mask later keys with, the layer's
+    key count S, the scaling and the logit softcap (Gemma 2)."""
 
     query: torch.Tensor
     key: torch.Tensor
+    sink: torch.Tensor | None
     mask: torch.Tensor | None
     causal_rows: tuple[int, int] | None
     keys: int
@@ -249,20 +272,29 @@ def _blocks(
     causal: bool,
     block_size: int,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> list[_Block]:
     """The chosen heads of a layer in blocks of `block_size` queries."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if softcap is not None and sinks is not None:
+        raise ValueError("softcap and sinks together are not implemented (no model has both)")
+    if sinks is not None and sinks.shape != (query.shape[1],):
+        raise ValueError(
+            f"sinks must hold one logit per query head, shape ({query.shape[1]},), got {tuple(sinks.shape)}"
+        )
     if heads is not None:
         heads = list(heads)
         groups = query.shape[1] // key.shape[1]
         key = key[:, [head // groups for head in heads]]  # each chosen query head's key/value head
         query = query[:, heads]
         temperature = None if temperature is None else temperature[heads]
+        sinks = None if sinks is None else sinks[heads]
     elif query.shape[1] != key.shape[1]:
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # as repeat_kv: one per query head
     if temperature is not None:
         query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
+        sinks = None if sinks is None else sinks / temperature.to(sinks.dtype)
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1 and heads is not None:
         attention_mask = attention_mask[:, heads]
     queries, keys = query.shape[2], key.shape[2]
@@ -274,13 +306,16 @@ def _blocks(
         if attention_mask is not None:
             mask = attention_mask[..., rows, :seen] if attention_mask.shape[-2] > 1 else attention_mask[..., :seen]
         causal_rows = (start, keys - queries) if causal and queries > 1 else None
-        blocks.append(_Block(query[:, :, rows], key[:, :, :seen], mask, causal_rows, keys, scaling, softcap, rows))
+        blocks.append(
+            _Block(query[:, :, rows], key[:, :, :seen], sinks, mask, causal_rows, keys, scaling, softcap, rows)
+        )
     return blocks
 
 
 def _scores(
     query: torch.Tensor,
     key: torch.Tensor,
+    sink: torch.Tensor | None,
     mask: torch.Tensor | None,
     causal_rows: tuple[int, int] | None,
     scaling: float,
@@ -288,28 +323,36 @@ def _scores(
 ) -> torch.Tensor:
     """A block's masked scores `[B, h, rows, S']` in float32, masked keys at float32's minimum: those
     `mask` masks and, for a causal block, those after each row's own position; with `softcap`, capped first
-    (`softcap * tanh(s / softcap)`, as Gemma 2 does before its mask)."""
+    (`softcap * tanh(s / softcap)`, as Gemma 2 does before its mask); with `sink` `[h]`, one more column holding
+    each head's sink logit (`[B, h, rows, S' + 1]`), never masked.
+
+    A causal block masks only the keys its causal edge crosses: every row sees the keys up to its first row's
+    own (`first + offset`), so only the last `rows - 1` keys of the block (the causal block stops at its last row's
+    key) get a causal mask, not the whole `[rows, S']`."""
     scores = torch.matmul(query * scaling, key.transpose(-1, -2)).float()  # scaling the small operand
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap  # not in place: tanh keeps its output for backward
-    later = None
-    if causal_rows is not None:
-        first, offset = causal_rows
-        last_key = torch.arange(first, first + query.shape[2], device=query.device)[:, None] + offset
-        later = torch.arange(key.shape[2], device=query.device)[None, :] > last_key
     if mask is not None and mask.dtype == torch.bool:
-        later = mask.logical_not() if later is None else mask.logical_not() | later
+        scores.masked_fill_(mask.logical_not(), _MIN)
     elif mask is not None:
         scores.add_(mask).clamp_min_(_MIN)  # an additive -inf reads as the minimum: finite sums
-    if later is not None:
-        scores.masked_fill_(later, _MIN)
+    if causal_rows is not None:
+        first, offset = causal_rows
+        edge = min(max(first + offset + 1, 0), key.shape[2])  # keys before it: seen by every row of the block
+        if edge < key.shape[2]:
+            last_key = torch.arange(first, first + query.shape[2], device=query.device)[:, None] + offset
+            later = torch.arange(edge, key.shape[2], device=query.device)[None, :] > last_key
+            scores[..., edge:].masked_fill_(later, _MIN)
+    if sink is not None:
+        column = sink.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
     return scores
 
 
-def _probabilities(ctx, query, key, mask) -> tuple[torch.Tensor, torch.Tensor]:
+def _probabilities(ctx, query, key, sink, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """A block's scores and softmax, recomputed in backward from its inputs."""
     causal_rows, _, scaling, softcap = ctx.block
-    scores = _scores(query, key, mask, causal_rows, scaling, softcap)
+    scores = _scores(query, key, sink, mask, causal_rows, scaling, softcap)
     return scores, torch.softmax(scores, dim=-1)
 
 
@@ -321,12 +364,18 @@ def _cap_gradient(ctx, scores: torch.Tensor) -> torch.Tensor | None:
     return torch.where(scores > _MIN, 1 - (scores / softcap).square(), 0.0)
 
 
-def _key_gradients(ctx, dscores: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The gradients of `query` and `key` from those of the block's scores (the scaling applied to the
-    small products), and None for the other arguments."""
+def _key_gradients(
+    ctx, dscores: torch.Tensor, query: torch.Tensor, key: torch.Tensor, sink: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of `query`, `key` and `sink` from those of the block's scores (the scaling applied to the
+    small products; the sink's column summed over batch and rows), and None for the other arguments."""
+    dsink = None
+    if sink is not None:
+        dsink = dscores[..., -1].sum((0, 2)).to(sink.dtype)
+        dscores = dscores[..., :-1]
     dscores, scaling = dscores.to(query.dtype), ctx.block[2]
     dquery, dkey = (dscores @ key).mul_(scaling), (dscores.transpose(-1, -2) @ query).mul_(scaling)
-    return dquery, dkey, *[None] * (ctx.arguments - 2)
+    return dquery, dkey, dsink, *[None] * (ctx.arguments - 3)
 
 
 class _BlockEntropy(torch.autograd.Function):
@@ -336,12 +385,13 @@ class _BlockEntropy(torch.autograd.Function):
     `H_i = log sum_j exp(s_ij) - E_i`, with the log-sum-exp read off the softmax as `top_i - log max_j p_ij`;
     backward: `dH/ds_ij = -p_ij (s_ij - E_i)`. Both go through the fused softmax kernel: an `exp` of its
     own is several times slower on CPU, where masked scores take its slow path. A row whose keys are
-    all masked reads `log S` (uniform over the layer's S keys) and gets no gradient; a NaN or inf among a
-    row's scores gives NaN, as on the materialized path."""
+    all masked reads `log S` (uniform over the layer's S keys) and gets no gradient (with a sink: 0, all its mass on
+    the sink); a NaN or inf among a row's scores gives NaN, as on the materialized path. A sink is one more column
+    of the scores (`_scores`), so every formula above holds with it as one more key."""
 
     @staticmethod
-    def forward(ctx, query, key, mask, causal_rows, keys, scaling, softcap):
-        scores = _scores(query, key, mask, causal_rows, scaling, softcap)
+    def forward(ctx, query, key, sink, mask, causal_rows, keys, scaling, softcap):
+        scores = _scores(query, key, sink, mask, causal_rows, scaling, softcap)
         top = scores.amax(-1, keepdim=True)
         p = torch.softmax(scores, dim=-1)
         with torch.autocast(scores.device.type, enabled=False):  # in float32: bf16 reads the minimum as -inf
@@ -350,17 +400,17 @@ class _BlockEntropy(torch.autograd.Function):
         alive = top != _MIN  # all keys masked; a NaN or inf score keeps its row alive, so the loss reads NaN
         entropy = torch.where(alive, entropy, math.log(keys))
         mean_score = torch.where(alive, mean_score, 0.0)  # all keys masked: s - 0 stays finite (no inf - inf)
-        ctx.save_for_backward(query, key, mask, mean_score, alive)
-        ctx.block, ctx.arguments = (causal_rows, keys, scaling, softcap), 7
+        ctx.save_for_backward(query, key, sink, mask, mean_score, alive)
+        ctx.block, ctx.arguments = (causal_rows, keys, scaling, softcap), 8
         return entropy.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, mask, mean_score, alive = ctx.saved_tensors
-        scores, p = _probabilities(ctx, query, key, mask)
+        query, key, sink, mask, mean_score, alive = ctx.saved_tensors
+        scores, p = _probabilities(ctx, query, key, sink, mask)
         cap = _cap_gradient(ctx, scores)
         dscores = scores.sub_(mean_score).mul_(p).mul_(grad.unsqueeze(-1).neg() * alive)
-        return _key_gradients(ctx, dscores if cap is None else dscores.mul_(cap), query, key)
+        return _key_gradients(ctx, dscores if cap is None else dscores.mul_(cap), query, key, sink)
 
 
 class _BlockParentNLL(torch.autograd.Function):
@@ -370,28 +420,28 @@ class _BlockParentNLL(torch.autograd.Function):
     clamped, from the recomputed softmax."""
 
     @staticmethod
-    def forward(ctx, query, key, mask, causal_rows, keys, scaling, softcap, parents):
-        scores = _scores(query, key, mask, causal_rows, scaling, softcap)
+    def forward(ctx, query, key, sink, mask, causal_rows, keys, scaling, softcap, parents):
+        scores = _scores(query, key, sink, mask, causal_rows, scaling, softcap)
         alive = scores.amax(-1, keepdim=True) != _MIN  # as in _BlockEntropy: NaN is not hidden
         p = torch.softmax(scores, dim=-1)
-        seen = p.shape[-1]
+        seen = key.shape[2]  # a sink's column is after the keys
         index = parents.clamp(0, seen - 1)[:, None, :, None].expand(-1, p.shape[1], -1, 1)
         chosen = p.gather(-1, index).masked_fill_((parents >= seen)[:, None, :, None], 0.0)  # after the block
         counted = (parents >= 0)[:, None, :, None]
         live = counted & alive & (chosen >= _TINY)
         nll = torch.where(alive, chosen.clamp_min(_TINY).log().neg(), math.log(keys)) * counted
-        ctx.save_for_backward(query, key, mask, index, live)
-        ctx.block, ctx.arguments = (causal_rows, keys, scaling, softcap), 8
+        ctx.save_for_backward(query, key, sink, mask, index, live)
+        ctx.block, ctx.arguments = (causal_rows, keys, scaling, softcap), 9
         return nll.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, mask, index, live = ctx.saved_tensors
+        query, key, sink, mask, index, live = ctx.saved_tensors
         grad = grad.unsqueeze(-1) * live
-        scores, p = _probabilities(ctx, query, key, mask)
+        scores, p = _probabilities(ctx, query, key, sink, mask)
         cap = _cap_gradient(ctx, scores)
         dscores = p.mul_(grad).scatter_add_(-1, index, -grad)
-        return _key_gradients(ctx, dscores if cap is None else dscores.mul_(cap), query, key)
+        return _key_gradients(ctx, dscores if cap is None else dscores.mul_(cap), query, key, sink)
 
 
 _MIN = torch.finfo(torch.float32).min

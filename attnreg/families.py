@@ -11,7 +11,7 @@ Example:
     >>> [family.name for family in FAMILIES]  # doctest: +NORMALIZE_WHITESPACE
     ['bert', 'roberta', 'xlm-roberta', 'electra', 'distilbert', 'modernbert', 'gpt2', 'llama', 'qwen2', 'mistral',
      'mixtral', 'granite', 'phi3', 'qwen3', 'qwen3_moe', 'smollm3', 'cohere2', 'cohere', 'stablelm', 'olmo2', 'olmo3',
-     'phi', 'gptj', 'gpt_neox', 'gemma2', 'gemma3_text', 'gemma3']
+     'phi', 'gptj', 'gpt_neox', 'gemma2', 'gpt_oss', 'gemma3_text', 'gemma3']
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ class Family:
     attributes of the module's `config` its forward reads as head counts: a pruned layer gets a view of the
     model's config with its own counts there.
 
+    `head_parameters` name parameters of the attention module holding one value per query head along their first
+    dim; head removal slices them with their heads. `sink` names the one that is a learned logit per head joining
+    each row's softmax denominator as one more outcome that no value reads (gpt-oss's `sinks`, which transformers
+    passes the attention function as `s_aux`): the hub's temperature divides it as it divides the query's logits,
+    so `detach` folds the temperature into it as well as into the query projection.
+
     Example:
         >>> from attnreg.tiny import tiny_model
         >>> model = tiny_model("llama")                 # 4 query heads sharing 2 key/value heads
@@ -85,6 +91,8 @@ class Family:
     group_size_attr: str | None = None
     kv_head_count_attrs: tuple[str, ...] = ()
     config_head_count_attrs: tuple[str, ...] = ()
+    head_parameters: tuple[str, ...] = ()
+    sink: str | None = None
 
     def __post_init__(self) -> None:
         if self.fused_layout not in ("blocks", "per_head"):
@@ -97,6 +105,10 @@ class Family:
             )
         if self.fused_layout == "per_head" and self.group_size_attr is not None:
             raise ValueError(f"Family {self.name!r}: a 'per_head' fused layout has one key/value head per query head")
+        if self.sink is not None and self.sink not in self.head_parameters:
+            raise ValueError(
+                f"Family {self.name!r}: sink {self.sink!r} must be one of head_parameters, a value per head"
+            )
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         """The list of transformer blocks of `model` (a base or a head model).
@@ -179,6 +191,18 @@ class Family:
     def key_norm_module(self, attention: nn.Module) -> nn.Module | None:
         """The key norm of `attention` (`key_norm`), or None where the family or this model has none."""
         return None if self.key_norm is None else getattr(attention, self.key_norm, None)
+
+    def sink_parameter(self, attention: nn.Module) -> nn.Parameter | None:
+        """The per-head sink logits of `attention` (`sink`), or None where the family has none.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> model = tiny_model("gpt_oss")                # one learned sink logit per query head
+            >>> family = detect_family(model)
+            >>> family.sink_parameter(family.attention_module(model, 0)).shape
+            torch.Size([4])
+        """
+        return None if self.sink is None else attention.get_parameter(self.sink)
 
     def attention_dropout(self, attention: nn.Module) -> float:
         """The dropout rate the model itself passes to the attention function in training."""
@@ -326,6 +350,7 @@ FAMILIES: tuple[Family, ...] = (
         causal=True,
     ),
     Family(name="gemma2", model_types=("gemma2",), **_LLAMA_LIKE),  # tanh-capped logits: the hub's softcap
+    Family(name="gpt_oss", model_types=("gpt_oss",), head_parameters=("sinks",), sink="sinks", **_LLAMA_LIKE),
     Family(name="gemma3_text", model_types=("gemma3_text",), query_norm="q_norm", query_norm_offset=1.0, **_LLAMA_LIKE),
     Family(  # the text stack of the image-text model; its vision tower's attention runs on SDPA untouched
         name="gemma3",
@@ -341,8 +366,6 @@ REFUSED: dict[str, str] = {
     "deberta-v2": _NO_INTERFACE + ": DeBERTa's disentangled attention adds position terms of its own",
     "falcon": "its fused query_key_value has three layouts (interleaved per head, multi-query, and grouped per "
     "key/value head in the new decoder architecture), which the family table cannot express yet",
-    "gpt_oss": "each head has a learned sink logit in the softmax denominator (the s_aux keyword), which the hub's "
-    "capture, blockwise losses and SDPA hand-off do not implement",
     "qwen3_5_text": "attention runs on some layers only (the others are linear attention), which the family table "
     "cannot express",
     "gemma3n_text": "its last layers share key/value states with earlier layers (num_kv_shared_layers), so a removed "
@@ -422,6 +445,14 @@ def families_markdown() -> str:
             removal, fold = f"exact (slices {norms})", f"per head (into {norms})"
         else:
             removal, fold = "exact", f"one value per layer ({norms} shared by the heads)"
+        if family.head_parameters:  # sliced with the heads wherever removal is exact
+            sliced = ", ".join(f"`{name}`" for name in family.head_parameters)
+            if removal == "exact":
+                removal = f"exact (slices {sliced})"
+            elif removal.startswith("exact (slices "):
+                removal = removal.replace("exact (slices ", f"exact (slices {sliced}, ")
+        if family.sink is not None:
+            fold += f", and into the sink logits `{family.sink}`"
         types = ", ".join(f"`{model_type}`" for model_type in family.model_types)
         lines.append(
             f"| {family.name} | {types} | `{family.blocks_path}.i.{family.attention}` | {projections} "

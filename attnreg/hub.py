@@ -98,7 +98,9 @@ class _LayerState:
 class LayerInputs:
     """What one layer's attention function received, for losses that recompute what they need in blocks
     (`attnreg.blockwise`): `query` `[B, H, T, d]` (divided by the hub's temperature), `key` `[B, H_kv, S, d]`
-    (after RoPE, grouped-query heads not repeated), the SDPA `attention_mask`, `scaling`, `causal`.
+    (after RoPE, grouped-query heads not repeated), the SDPA `attention_mask`, `scaling`, `causal`, Gemma 2's logit
+    `softcap`, and gpt-oss's per-head sink logits `sinks` `[H]` (divided by the hub's temperature, as the query is),
+    which join each row's softmax denominator as one more outcome.
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -116,6 +118,7 @@ class LayerInputs:
     scaling: float
     causal: bool
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     @property
     def requires_grad(self) -> bool:
@@ -153,6 +156,7 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
         self.skipped = 0  # forwards under torch.no_grad() left out (skip_no_grad)
         self._calls: dict[int, list[torch.Tensor | LayerInputs]] = {}
         self._masks: dict[int, list[torch.Tensor | None]] = {}
+        self._sinks: dict[int, list[bool]] = {}
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         if layer not in self._calls:
@@ -188,8 +192,28 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
         captured = self[layer] if call == -1 else self._calls[layer][call]
         return captured.attention_mask if isinstance(captured, LayerInputs) else self._masks[layer][call]
 
+    def has_sink(self, layer: int, call: int = -1) -> bool:
+        """Whether `layer`'s softmax had a sink logit per head on its latest pass (`call`: the one of `calls(layer)`):
+        gpt-oss's, where the recorded rows sum to less than 1, the sink taking the rest. Pass it on as
+        `attnreg.losses.attention_entropy(..., sink=)`, which then counts the sink as one more outcome.
+
+        Example:
+            >>> from attnreg.tiny import tiny_model
+            >>> hub = attach(tiny_model("gpt_oss"))
+            >>> with hub.capture(layers=[0]) as record:
+            ...     _ = hub.model(input_ids=torch.tensor([[5, 6, 7]]))
+            >>> record.has_sink(0), bool((record[0].sum(-1) < 1).all())
+            (True, True)
+        """
+        captured = self[layer] if call == -1 else self._calls[layer][call]
+        return captured.sinks is not None if isinstance(captured, LayerInputs) else self._sinks[layer][call]
+
     def _add(
-        self, state: _LayerState, probs: torch.Tensor | LayerInputs, attention_mask: torch.Tensor | None = None
+        self,
+        state: _LayerState,
+        probs: torch.Tensor | LayerInputs,
+        attention_mask: torch.Tensor | None = None,
+        sink: bool = False,
     ) -> None:
         if not probs.requires_grad:
             reentrant = state.will_be_replayed() and not torch.is_grad_enabled()
@@ -209,6 +233,7 @@ class AttentionRecord(Mapping[int, torch.Tensor]):
                 )
         self._calls.setdefault(state.index, []).append(probs)
         self._masks.setdefault(state.index, []).append(attention_mask)
+        self._sinks.setdefault(state.index, []).append(sink)
 
 
 def attention_forward(
@@ -235,16 +260,27 @@ def attention_forward(
         >>> plain, none = attention_forward(hub.attention(1), query, key, value, None)
         >>> captured.shape, weights is probs[0], none, torch.allclose(captured, plain, atol=1e-6)
         (torch.Size([1, 3, 4, 8]), True, None, True)
-        >>> attention_forward(hub.attention(1), query, key, value, None, s_aux=torch.zeros(4))  # doctest: +ELLIPSIS
+        >>> attention_forward(hub.attention(1), query, key, value, None, alibi=torch.zeros(4))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        NotImplementedError: attnreg's attention function received keyword argument(s) ['s_aux'] from \
+        NotImplementedError: attnreg's attention function received keyword argument(s) ['alibi'] from \
 BertSelfAttention (model_type='bert'), which it does not implement: ...
     """
     softcap = kwargs.pop("softcap", None)  # Gemma 2's tanh cap of the logits: implemented on every path
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss's learned sink logit per head: implemented on every path
     if kwargs.keys() - IGNORED_KWARGS:
         _check_kwargs(module, kwargs)
+    if softcap is not None and sinks is not None:  # no model has both: whether the cap applies to the sink is unknown
+        raise NotImplementedError(
+            f"attnreg's attention function received both softcap and s_aux from {type(module).__name__} "
+            f"(model_type={getattr(getattr(module, 'config', None), 'model_type', None)!r}): it implements each alone"
+        )
     state: _LayerState | None = getattr(module, _STATE_ATTR, None)
+    if state is None and sinks is not None:  # an untracked module with sinks: SDPA would drop them, run eager
+        causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        probs = attention_probabilities(query, key, attention_mask, scaling, causal=causal, sinks=sinks)
+        return _attend(probs, value, dropout), probs
     if state is None:  # an attention module the hub does not track (cross-attention, say)
         capped = {} if softcap is None else {"softcap": softcap}  # SDPA refuses it, as without attnreg
         return sdpa_attention_forward(
@@ -269,28 +305,34 @@ BertSelfAttention (model_type='bert'), which it does not implement: ...
     if state.records and len(probs_records) < len(state.records):
         causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
         scaled = query if temperature is None else query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
-        inputs = LayerInputs(scaled, key, attention_mask, scaling, causal, softcap)
+        scaled_sinks = sinks if sinks is None or temperature is None else sinks / temperature.to(sinks.dtype)
+        inputs = LayerInputs(scaled, key, attention_mask, scaling, causal, softcap, scaled_sinks)
         for record in state.records:
             if record.inputs:
                 record._add(state, inputs)
-    if not probs_records and not replay and softcap is None:  # SDPA has no softcap: those layers run as eager
+    if not probs_records and not replay and softcap is None and sinks is None:  # else eager: SDPA has neither
         if temperature is not None:
             query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-    probs = attention_probabilities(query, key, attention_mask, scaling, temperature, causal, softcap)
+    probs = attention_probabilities(query, key, attention_mask, scaling, temperature, causal, softcap, sinks)
     if replay:
         state.pending_recomputes -= 1
     else:
         for record in probs_records:
-            record._add(state, probs, attention_mask)
+            record._add(state, probs, attention_mask, sink=sinks is not None)
         if torch.is_grad_enabled() and state.will_be_replayed():
             state.pending_recomputes += 1
+    return _attend(probs, value, dropout), probs
+
+
+def _attend(probs: torch.Tensor, value: torch.Tensor, dropout: float) -> torch.Tensor:
+    """Eager attention's output `[B, T, H, d]` from its probabilities (dropout after them, as eager applies it)."""
     weights = F.dropout(probs, p=dropout, training=True) if dropout > 0 else probs
-    output = torch.matmul(weights, repeat_kv(value, query.shape[1] // value.shape[1]))
-    return output.transpose(1, 2).contiguous(), probs
+    output = torch.matmul(weights, repeat_kv(value, probs.shape[1] // value.shape[1]))
+    return output.transpose(1, 2).contiguous()
 
 
 OWN_BATCH_KEYS = "attnreg_"  # attnreg's own batch entries (a syntax prior) that a model's **kwargs pass along
@@ -320,8 +362,9 @@ IGNORED_KWARGS = frozenset(
     }
 )
 """Keyword arguments an attention function may receive and ignore: every path of the hub (SDPA hand-off,
-capture, blockwise inputs) computes what eager attention computes without them. Any other keyword with a
-value (`s_aux`, `position_bias`, a typo) is refused by `attention_forward`, naming it."""
+capture, blockwise inputs) computes what eager attention computes without them. Two more are implemented on every
+path: `softcap` (Gemma 2) and `s_aux` (gpt-oss's sinks). Any other keyword with a value (`position_bias`, `alibi`,
+a typo) is refused by `attention_forward`, naming it."""
 
 
 def _check_kwargs(module: nn.Module, kwargs: dict) -> None:
@@ -351,11 +394,14 @@ def attention_probabilities(
     temperature: torch.Tensor | None = None,
     causal: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention `[B, H, T, S]` as eager attention computes it, before dropout.
 
     `attention_mask` is transformers' SDPA mask: boolean (True = attend), additive float, or None;
-    with `causal` and more than one query, keys after each query's position are masked as well.
+    with `causal` and more than one query, keys after each query's position are masked as well. `sinks`
+    (gpt-oss, `[H]`) is a logit per head joining each row's softmax as one more column, divided by `temperature`
+    as the others are and dropped after the softmax, as eager gpt-oss does: the rows sum to less than 1.
 
     Example:
         >>> query = key = torch.zeros(1, 1, 3, 4)                           # equal scores everywhere
@@ -363,9 +409,19 @@ def attention_probabilities(
         tensor([[1.0000, 0.0000, 0.0000],
                 [0.5000, 0.5000, 0.0000],
                 [0.3333, 0.3333, 0.3333]])
+        >>> attention_probabilities(query, key, None, scaling=0.5, causal=True, sinks=torch.zeros(1))[0, 0]
+        tensor([[0.5000, 0.0000, 0.0000],
+                [0.3333, 0.3333, 0.0000],
+                [0.2500, 0.2500, 0.2500]])
     """
     scores = attention_scores(query, key, attention_mask, scaling, temperature, causal, softcap)
-    return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1)
+    if temperature is not None:
+        sink = sink / temperature.to(scores.dtype).reshape(1, -1, 1, 1)
+    scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+    return F.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
 
 
 def attention_scores(
@@ -564,7 +620,8 @@ class AttentionHub:
 
     # -- temperature and dropout ------------------------------------------------------------------
     def set_temperature(self, value: float | torch.Tensor | None, layers: int | Iterable[int] | None = None) -> None:
-        """Divide attention logits by `value` (a scalar, or one per head) before the softmax.
+        """Divide attention logits by `value` (a scalar, or one per head) before the softmax (gpt-oss's sink
+        logits too: the temperature of the whole softmax).
 
         Applies in training, inference and generation; `None` removes it. Saved in the state_dict.
         """
@@ -817,7 +874,8 @@ def transformers_model(model: nn.Module) -> nn.Module:
 
 def detach(model: nn.Module) -> None:
     """Undo `attach`: fold gates into the output projections and temperatures into the query
-    projections (so outputs do not change), remove every hook, and restore the previous implementation.
+    projections (or the query norms, and the sink logits where a family has them; so outputs do not change),
+    remove every hook, and restore the previous implementation.
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -855,6 +913,10 @@ def detach(model: nn.Module) -> None:
                 scale = torch.ones(out_features(query))
                 scale[family.query_rows(attention)] = (1.0 / temperature.cpu()).repeat_interleave(head_dim)
                 scale_output_rows(query, scale)
+            sink = family.sink_parameter(attention)
+            if sink is not None:  # the temperature divides the sink logits too
+                with torch.no_grad():
+                    sink.copy_(sink.double().div(temperature.double().to(sink.device)).to(sink.dtype))
             delattr(attention, TEMPERATURE)
         delattr(attention, _STATE_ATTR)
     _remove_hooks(

@@ -38,28 +38,47 @@ def _full_precision(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _RowEntropy(torch.autograd.Function):
-    """-(p log p).sum(-1) that saves only `p`; dH/dp = -(log p + 1), with log clamped at p = 0."""
+    """-(p log p).sum(-1) that saves only `p`; dH/dp = -(log p + 1), with log clamped at p = 0. With `sink`, the
+    row's missing mass `m = 1 - sum_j p_j` is one more outcome: `H - m log m`, and dH/dp_j = -(log p_j - log m)."""
 
     @staticmethod
-    def forward(ctx, probs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, probs: torch.Tensor, sink: bool = False) -> torch.Tensor:
         ctx.save_for_backward(probs)
-        return torch.special.entr(_full_precision(probs)).sum(-1)
+        ctx.sink = sink
+        full = _full_precision(probs)
+        entropy = torch.special.entr(full).sum(-1)
+        return entropy + torch.special.entr(_missing_mass(full)) if sink else entropy
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (probs,) = ctx.saved_tensors
-        log_p = _full_precision(probs).clamp_min(_TINY).log_().add_(1.0)
-        return log_p.mul_(grad.unsqueeze(-1).neg()).to(probs.dtype)
+        full = _full_precision(probs)
+        log_p = full.clamp_min(_TINY).log().add_(1.0)
+        if ctx.sink:  # d(-m log m)/dp_j = log m + 1 where m > 0 (the clamp at 0 passes no gradient)
+            missing = _missing_mass(full)
+            log_p.sub_(torch.where(missing > 0, missing.clamp_min(_TINY).log() + 1.0, 0.0).unsqueeze(-1))
+        return log_p.mul_(grad.unsqueeze(-1).neg()).to(probs.dtype), None
 
 
-def row_entropy(probs: torch.Tensor) -> torch.Tensor:
+def _missing_mass(probs: torch.Tensor) -> torch.Tensor:
+    """What a row's probabilities lack of 1 (the sink's share, gpt-oss), clamped at 0 against rounding."""
+    return (1.0 - probs.sum(-1)).clamp_min(0.0)
+
+
+def row_entropy(probs: torch.Tensor, sink: bool = False) -> torch.Tensor:
     """Entropy (nats) of every attention row: `[..., S]` to `[...]`, memory-lean under autograd.
+
+    With `sink=True` (gpt-oss, `AttentionRecord.has_sink`) the rows lack the share of the sink, which joins each
+    row's softmax as one more outcome no value reads; it counts as one more outcome here, `1 - sum_j p_j`, so this
+    is the entropy of the whole softmax, as `attnreg.blockwise.row_entropy(..., sinks=)` computes it.
 
     Example:
         >>> row_entropy(torch.tensor([[0.5, 0.5], [1.0, 0.0]]))          # log 2, and 0
         tensor([0.6931, 0.0000])
+        >>> row_entropy(torch.tensor([[0.5, 0.0]]), sink=True)           # the sink has the other half: log 2
+        tensor([0.6931])
     """
-    return _RowEntropy.apply(probs)
+    return _RowEntropy.apply(probs, sink)
 
 
 def admissible_keys(
@@ -118,6 +137,7 @@ def attention_entropy(
     causal: bool = False,
     normalize: bool = False,
     layer_mask: torch.Tensor | None = None,
+    sink: bool = False,
 ) -> torch.Tensor:
     """Mean attention entropy per head `[H]` over the real query rows of a batch.
 
@@ -125,7 +145,8 @@ def attention_entropy(
     and sequences of different lengths compare (1 = uniform, 0 = one key); rows with a single
     admissible key are left out then. The admissible keys are those the layer's own mask admits where
     `layer_mask` is given (`AttentionRecord.attention_mask(layer)`: sliding windows count), else the real
-    tokens of `attention_mask` (see `admissible_keys`).
+    tokens of `attention_mask` (see `admissible_keys`). With `sink=True` (gpt-oss: `AttentionRecord.has_sink`)
+    the sink is one more outcome (`row_entropy`) and one more key in the normalisation.
 
     Example:
         >>> probs = torch.tensor([[[[0.5, 0.5], [0.5, 0.5]], [[1.0, 0.0], [0.0, 1.0]]]])  # [1, 2, 2, 2]
@@ -136,7 +157,9 @@ def attention_entropy(
         >>> attention_entropy(uniform, normalize=True), attention_entropy(uniform, normalize=True, layer_mask=window)
         (tensor([0.6309]), tensor([1.]))
     """
-    return mean_row_entropy(row_entropy(probs), attention_mask, probs.shape[-1], causal, normalize, layer_mask)
+    return mean_row_entropy(
+        row_entropy(probs, sink), attention_mask, probs.shape[-1], causal, normalize, layer_mask, sink
+    )
 
 
 def mean_row_entropy(
@@ -146,10 +169,11 @@ def mean_row_entropy(
     causal: bool = False,
     normalize: bool = False,
     layer_mask: torch.Tensor | None = None,
+    sink: bool = False,
 ) -> torch.Tensor:
     """`attention_entropy` from row entropies `[B, H, T]` (of `keys` keys each), as `attnreg.blockwise`
     computes them: the mean per head `[H]` over the real query rows. A `layer_mask` per head must hold the
-    heads of `entropy` only.
+    heads of `entropy` only; `sink`: the rows had a sink, one more outcome to normalise by.
 
     Example:
         >>> mean_row_entropy(torch.tensor([[[0.5, 0.7, 9.0]]]), torch.tensor([[1, 1, 0]]), keys=3)  # row 2: pad
@@ -159,6 +183,8 @@ def mean_row_entropy(
     layer_mask = layer_mask if normalize else None  # only normalisation reads the counts
     rows, counts = admissible_keys(attention_mask, torch.Size((batch, heads, queries, keys)), causal, layer_mask)
     rows, counts = rows.to(entropy.device), counts.to(entropy.device)
+    if sink:
+        counts = counts + 1
     if normalize:
         rows = rows & (counts > 1)
         entropy = entropy / counts.clamp_min(2).log()

@@ -28,6 +28,7 @@ from transformers import (
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -239,6 +240,15 @@ def tiny_config(
             final_logit_softcapping=None,
             layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
         ),
+        "gpt_oss": lambda: GptOssConfig(  # a learned sink logit per head; mixture-of-experts feed-forward
+            **llama_like,
+            head_dim=hidden // heads,
+            sliding_window=positions,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
         "gemma3_text": lambda: Gemma3TextConfig(
             **llama_like,
             head_dim=hidden // heads,
@@ -257,7 +267,7 @@ def tiny_config(
 
 def tiny_model(family: str, head: str = "base", seed: int = 0, **sizes: Any) -> PreTrainedModel:
     """A randomly initialised model of `family` with the given `head` ("base", "classification",
-    "causal_lm"), using SDPA attention (eager for a family without it, Gemma 2). Like any model built from a
+    "causal_lm"), using SDPA attention (eager for a family without it: Gemma 2, gpt-oss). Like any model built from a
     config it starts in train mode.
 
     Example:
@@ -270,7 +280,7 @@ def tiny_model(family: str, head: str = "base", seed: int = 0, **sizes: Any) -> 
 
 def model_from_config(config: PretrainedConfig, head: str = "base", seed: int = 0) -> PreTrainedModel:
     """A randomly initialised model of `config` with the given `head`, on SDPA where the model class has it,
-    else eager (Gemma 2).
+    else eager (Gemma 2, gpt-oss).
 
     Example:
         >>> model_from_config(tiny_config("gemma2"), head="causal_lm").config._attn_implementation

@@ -8,6 +8,13 @@ Smoke run (128 tokens, 2 repetitions, no compiled variants; the figures mean not
 
     .venv/bin/python benchmarks/overhead.py --quick
 
+A real decoder's shape, SmolLM2-135M's (`--shape smollm2`: 30 layers, 9 query / 3 key-value heads of 64, hidden 576,
+feed-forward 1,536, vocabulary 49,152 with tied embeddings; a Llama config with random weights), at 2,048 tokens,
+batch 1: `sdpa`, `idle`, `kl_head` and `entropy_all` only (the materialized variants would keep 4.5 GB of
+probabilities), no length growth and no per-op profile; 39 minutes with 3 repetitions on 2 loaded cores:
+
+    .venv/bin/python benchmarks/overhead.py --shape smollm2 --reps 3 --run smollm2
+
 MiniLM-shaped models (6 layers x 12 heads x 384, vocabulary 1,000, dropout 0, random weights from
 `attnreg.tiny.tiny_model`): a BERT classifier and a GPT-2 causal LM, at 512 tokens (batch 4) and 2,048
 tokens (batch 1), no padding. Identical copies are trained side by side, the terms run as the adapters
@@ -41,6 +48,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from common import add_output_arguments, output_dir, quick_banner, table, write_results
@@ -50,21 +58,63 @@ from attnreg import methods
 from attnreg.syntax.data import PRIOR_KEY
 from attnreg.tiny import tiny_model
 
-SHAPES = {"bert": "classification", "gpt2": "causal_lm"}
-SIZES = dict(hidden=384, layers=6, heads=12, vocab=1000, positions=2048)
-CONFIGS = ((512, 4), (2048, 1))
 VARIANTS = ("sdpa", "idle", "gates", "kl_head", "entropy_all", "kl_head_materialized", "entropy_all_materialized")
 COMPILED = ("compiled_sdpa", "compiled_kl_head", "compiled_entropy_all")
 MB = 2**20
 
+
+@dataclass(frozen=True)
+class Shape:
+    """Models measured (`tiny_model` family -> task head), their sizes, the (tokens, batch) configurations, the
+    variants, and whether the saved bytes' growth with length and the per-op profile are measured."""
+
+    name: str
+    families: dict[str, str]
+    sizes: dict
+    configs: tuple[tuple[int, int], ...]
+    variants: tuple[str, ...] = VARIANTS
+    extras: bool = True
+
+    def quick(self) -> Shape:
+        """The smoke run's version: 128 tokens (batch 2), at most 2 layers and a vocabulary of at most 1,000."""
+        sizes = {**self.sizes, "layers": min(self.sizes["layers"], 2), "vocab": min(self.sizes["vocab"], 1000)}
+        return replace(self, configs=((128, 2),), sizes=sizes)
+
+
+SHAPES = {
+    "minilm": Shape(
+        "minilm",
+        {"bert": "classification", "gpt2": "causal_lm"},
+        dict(hidden=384, layers=6, heads=12, vocab=1000, positions=2048),
+        ((512, 4), (2048, 1)),
+    ),
+    "smollm2": Shape(  # SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M's config.json), random weights
+        "smollm2",
+        {"llama": "causal_lm"},
+        dict(
+            hidden=576,
+            layers=30,
+            heads=9,
+            vocab=49152,
+            positions=2048,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            tie_word_embeddings=True,
+        ),
+        ((2048, 1),),
+        variants=("sdpa", "idle", "kl_head", "entropy_all"),
+        extras=False,
+    ),
+}
+
 Step = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
-def terms_of(name: str) -> list[methods.LossTerm]:
+def terms_of(name: str, layers: int) -> list[methods.LossTerm]:
     name = name.removeprefix("compiled_")
     blockwise = not name.endswith("_materialized")
     if name.startswith("kl_head"):
-        heads = {layer: [0] for layer in range(SIZES["layers"])}
+        heads = {layer: [0] for layer in range(layers)}
         return [methods.SyntaxPriorKL(weight=1.0, heads=heads, blockwise=blockwise)]
     if name.startswith("entropy_all"):
         return [methods.EntropyRegularizer(weight=0.01, mode="max", blockwise=blockwise)]
@@ -74,14 +124,15 @@ def terms_of(name: str) -> list[methods.LossTerm]:
 def build(name: str, base: torch.nn.Module) -> tuple[torch.nn.Module, Step]:
     """A copy of `base` set up as variant `name`, and its step: the loss of one batch (terms included)."""
     model = copy.deepcopy(base)
-    terms = terms_of(name)
+    layers = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer
+    terms = terms_of(name, layers)
     for term in terms:
         term.bind(model)
         term.start(100)
     if name != "sdpa" and name != "compiled_sdpa":
         hub = attnreg.attach(model)
         if name == "gates":
-            for layer in range(SIZES["layers"]):
+            for layer in range(layers):
                 hub.gate(layer)
     probs_layers = sorted({layer for t in terms if not t.inputs for layer in t.layers})
     input_layers = sorted({layer for t in terms if t.inputs for layer in t.layers})
@@ -100,12 +151,12 @@ def build(name: str, base: torch.nn.Module) -> tuple[torch.nn.Module, Step]:
     return model, (torch.compile(step) if name.startswith("compiled_") else step)
 
 
-def make_batch(family: str, tokens: int, batch: int) -> dict[str, torch.Tensor]:
+def make_batch(shape: Shape, family: str, tokens: int, batch: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, SIZES["vocab"], (batch, tokens), generator=generator)
+    input_ids = torch.randint(3, shape.sizes["vocab"], (batch, tokens), generator=generator)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     inputs["labels"] = (
-        input_ids if SHAPES[family] == "causal_lm" else torch.randint(0, 2, (batch,), generator=generator)
+        input_ids if shape.families[family] == "causal_lm" else torch.randint(0, 2, (batch,), generator=generator)
     )
     inputs[PRIOR_KEY] = (torch.arange(tokens) - 1).expand(batch, tokens)  # the previous token; row 0 left out
     return inputs
@@ -133,12 +184,13 @@ def saved_bytes(model: torch.nn.Module, step: Step, batch: dict[str, torch.Tenso
     return sum(storages.values())
 
 
-def run_config(family: str, tokens: int, batch_size: int, reps: int, compiled: bool) -> dict:
-    base = tiny_model(family, head=SHAPES[family], **SIZES).train()
-    names = VARIANTS + (COMPILED if compiled else ())
+def run_config(shape: Shape, family: str, tokens: int, batch_size: int, reps: int, compiled: bool) -> dict:
+    base = tiny_model(family, head=shape.families[family], **shape.sizes).train()
+    names = shape.variants + (COMPILED if compiled else ())
     variants = {name: build(name, base) for name in names}
-    batch = make_batch(family, tokens, batch_size)
-    memory = {name: saved_bytes(*variants[name], batch) for name in VARIANTS}
+    del base
+    batch = make_batch(shape, family, tokens, batch_size)
+    memory = {name: saved_bytes(*variants[name], batch) for name in shape.variants}
     for name, (model, step) in variants.items():
         start = time.perf_counter()
         train_step(model, step, batch)  # warm-up (and, for the compiled steps, compiling)
@@ -168,21 +220,21 @@ def run_config(family: str, tokens: int, batch_size: int, reps: int, compiled: b
     return {"model": family, "tokens": tokens, "batch": batch_size, "times_s": times, "summary": summary}
 
 
-def growth(family: str, lengths: tuple[int, ...]) -> dict:
+def growth(shape: Shape, family: str, lengths: tuple[int, ...]) -> dict:
     """Saved bytes of the blockwise variants (and sdpa) at each length, batch 1."""
-    base = tiny_model(family, head=SHAPES[family], **SIZES).train()
+    base = tiny_model(family, head=shape.families[family], **shape.sizes).train()
     rows = {}
     for name in ("sdpa", "kl_head", "entropy_all"):
         model, step = build(name, base)
-        rows[name] = {tokens: saved_bytes(model, step, make_batch(family, tokens, 1)) for tokens in lengths}
+        rows[name] = {tokens: saved_bytes(model, step, make_batch(shape, family, tokens, 1)) for tokens in lengths}
     return {"model": family, "saved_bytes": rows}
 
 
-def breakdown(family: str, tokens: int, batch_size: int, variants: tuple[str, ...], reps: int) -> dict:
+def breakdown(shape: Shape, family: str, tokens: int, batch_size: int, variants: tuple[str, ...], reps: int) -> dict:
     """Self CPU time per aten op (ms per step, median over `reps` profiled steps) of each variant: where
     the extra time of a regularized step goes."""
-    base = tiny_model(family, head=SHAPES[family], **SIZES).train()
-    batch = make_batch(family, tokens, batch_size)
+    base = tiny_model(family, head=shape.families[family], **shape.sizes).train()
+    batch = make_batch(shape, family, tokens, batch_size)
     table_ms: dict[str, dict[str, float]] = {}
     for name in variants:
         model, step = build(name, base)
@@ -215,10 +267,13 @@ def breakdown_markdown(entry: dict, top: int = 12) -> list[str]:
 
 
 def markdown(results: dict) -> str:
+    sizes = results["sizes"]
+    kv = f" ({sizes['num_key_value_heads']} key/value heads)" if "num_key_value_heads" in sizes else ""
     lines = [
         "# What attnreg costs on the train step (ratios to plain SDPA, same run)",
         "",
-        f"Models: {SIZES['layers']} layers x {SIZES['heads']} heads x {SIZES['hidden']}, random weights; "
+        f"Models ({results.get('shape', 'minilm')} shape): {sizes['layers']} layers x {sizes['heads']} heads{kv} x "
+        f"{sizes['hidden']}, vocabulary {sizes['vocab']}, random weights; "
         f"{results['reps']} timed repetitions, interleaved; compiled ratios are to `compiled_sdpa`.",
         "",
         *quick_banner(results["quick"]),
@@ -235,7 +290,7 @@ def markdown(results: dict) -> str:
             )
     header = ["model", "tokens", "batch", "variant", "step ms", "x SDPA", "x compiled SDPA", "saved MB", "saved x SDPA"]
     lines += table(header, rows, "lrrlrrrrr")
-    lines += ["", "Saved for backward (MB, batch 1) by length:", ""]
+    lines += ["", "Saved for backward (MB, batch 1) by length:", ""] if results["growth"] else [""]
     for entry in results["growth"]:
         lengths = list(next(iter(entry["saved_bytes"].values())))
         growth_rows = [[name] + [f"{row[t] / MB:.1f}" for t in lengths] for name, row in entry["saved_bytes"].items()]
@@ -247,7 +302,14 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_arguments(parser, "128 tokens, 2 repetitions, nothing compiled")
+    add_output_arguments(parser, "128 tokens, 2 repetitions, at most 2 layers, nothing compiled")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="minilm",
+        help="minilm: BERT and GPT-2 at MiniLM's shape, 512 and 2,048 tokens (default); smollm2: a Llama at "
+        "SmolLM2-135M's shape, 2,048 tokens, sdpa/idle/kl_head/entropy_all only",
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
     parser.add_argument(
@@ -259,16 +321,23 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # one core per process: steadier timings on a shared machine
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per variant, none falling back to eager
     reps = args.reps if args.reps is not None else (2 if args.quick else 5)
-    configs = ((128, 2),) if args.quick else CONFIGS
+    shape = SHAPES[args.shape].quick() if args.quick else SHAPES[args.shape]
+    configs = shape.configs
     lengths = (64, 128) if args.quick else (512, 1024, 2048)
-    compiled = args.compile and not args.quick
+    compiled = args.compile and not args.quick and shape.extras
     profiled = ("sdpa", "kl_head", "entropy_all")
-    breakdowns = [breakdown(family, tokens, batch, profiled, reps) for tokens, batch in configs for family in SHAPES]
+    profile = shape.extras or args.breakdown_only
+    breakdowns = [
+        breakdown(shape, family, tokens, batch, profiled, reps)
+        for tokens, batch in (configs if profile else ())
+        for family in shape.families
+    ]
     if args.breakdown_only:
         results = {
             "quick": args.quick,
+            "shape": shape.name,
             "reps": reps,
-            "sizes": SIZES,
+            "sizes": shape.sizes,
             "configs": [],
             "growth": [],
             "breakdown": breakdowns,
@@ -279,14 +348,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     results = {
         "quick": args.quick,
+        "shape": shape.name,
         "reps": reps,
-        "sizes": SIZES,
+        "sizes": shape.sizes,
         "configs": [
-            run_config(family, tokens, batch, reps, compiled and family == "bert" and tokens == configs[0][0])
+            run_config(shape, family, tokens, batch, reps, compiled and family == "bert" and tokens == configs[0][0])
             for tokens, batch in configs
-            for family in SHAPES
+            for family in shape.families
         ],
-        "growth": [growth(family, lengths) for family in SHAPES],
+        "growth": [growth(shape, family, lengths) for family in shape.families] if shape.extras else [],
         "breakdown": breakdowns,
     }
     text = markdown(results)

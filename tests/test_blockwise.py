@@ -1,6 +1,6 @@
 """The blockwise losses equal the materialized path (probabilities, then attnreg.losses) in value and
-gradient, for every kind of mask, grouped-query keys, chosen heads and temperature, and keep nothing of
-size [T, S] for backward."""
+gradient, for every kind of mask, grouped-query keys, chosen heads, temperature and sink logits (gpt-oss), block
+sizes that do not divide the length, cached keys before the queries, and keep nothing of size [T, S] for backward."""
 
 import pytest
 import torch
@@ -45,9 +45,15 @@ CASES = [
 ]
 
 
+SINKS = torch.tensor([2.0, -1.0, 0.5, 3.0])  # gpt-oss's learned sink logit per head, of sizes that take a real share
+
+
 @pytest.mark.parametrize(("mask_kind", "causal", "heads", "temperature"), CASES)
-@pytest.mark.parametrize("block_size", [5, 128])
-def test_entropy_and_parent_nll_equal_the_materialized_path(mask_kind, causal, heads, temperature, block_size):
+@pytest.mark.parametrize("block_size", [5, 128])  # 5 does not divide T = 37; 128 is one block
+@pytest.mark.parametrize("sinks", [False, True])
+def test_entropy_and_parent_nll_equal_the_materialized_path(mask_kind, causal, heads, temperature, block_size, sinks):
+    """With sinks the reference is autograd through eager gpt-oss's math (`attention_probabilities(..., sinks=)`, the
+    sink's column dropped after the softmax; entropy counting the missing mass), the sink logits' gradient too."""
     mask = padding_mask(mask_kind)
     parents = torch.randint(-1, T, (B, T), generator=torch.Generator().manual_seed(1))
     if causal:
@@ -56,16 +62,84 @@ def test_entropy_and_parent_nll_equal_the_materialized_path(mask_kind, causal, h
 
     def both(fast: bool):
         query, key = inputs()
+        sink = SINKS.clone().requires_grad_() if sinks else None
+        options = dict(heads=heads, temperature=temperature, causal=causal, block_size=block_size, sinks=sink)
         if fast:
-            entropy = row_entropy(query, key, mask, D**-0.5, heads, temperature, causal, block_size)
-            nll = prior_cross_entropy(query, key, mask, parents, D**-0.5, heads, temperature, causal, block_size)
+            entropy = row_entropy(query, key, mask, D**-0.5, **options)
+            nll = prior_cross_entropy(query, key, mask, parents, D**-0.5, **options)
         else:
-            probs = materialized(query, key, mask, causal, heads, temperature)
-            entropy = materialized_entropy(probs)
+            probs = attention_probabilities(query, key, mask, D**-0.5, temperature, causal, sinks=sink)
+            probs = probs if heads is None else probs[:, heads]
+            assert not sinks or bool((probs.sum(-1) < 0.999).all())  # the sinks take a share of every row
+            entropy = materialized_entropy(probs, sink=sinks)
             index = parents.clamp_min(0)[:, None, :, None].expand(-1, probs.shape[1], -1, 1)
             nll = -probs.gather(-1, index).squeeze(-1).clamp_min(1e-12).log() * (parents[:, None] >= 0)
         ((entropy + nll) * weights).sum().backward()
+        sink_grad = sink.grad if sinks else torch.zeros(())
+        return entropy.detach(), nll.detach(), query.grad, key.grad, sink_grad
+
+    fast, slow = both(True), both(False)
+    if sinks:
+        assert fast[-1].abs().max() > 1e-3  # the sink logits get a gradient
+    for fast_tensor, slow_tensor in zip(fast, slow, strict=True):
+        torch.testing.assert_close(fast_tensor, slow_tensor, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 6, 16, 64])  # none divides the 13 queries; 4 and 6 cut the cached keys
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_causal_blocks_after_cached_keys_equal_the_materialized_path(block_size, mask_kind):
+    """The last 13 of 37 positions query all 37 keys (a decoder with a cache): a causal block sees every key before
+    its first row's own without a causal mask and masks only the keys at its causal edge."""
+    queries = 13
+    mask = padding_mask(mask_kind)
+    mask = None if mask is None else mask[:, :, T - queries :]
+    parents = torch.minimum(
+        torch.randint(-1, T, (B, queries), generator=torch.Generator().manual_seed(4)), torch.arange(T - queries, T)
+    )
+    weights = torch.randn(B, H, queries, generator=torch.Generator().manual_seed(5))
+
+    def both(fast: bool):
+        query, key = inputs()
+        query = query[:, :, T - queries :].detach().requires_grad_()
+        if fast:
+            entropy = row_entropy(query, key, mask, D**-0.5, causal=True, block_size=block_size)
+            nll = prior_cross_entropy(query, key, mask, parents, D**-0.5, causal=True, block_size=block_size)
+        else:
+            probs = attention_probabilities(query, key, mask, D**-0.5, causal=True)
+            entropy = materialized_entropy(probs)
+            index = parents.clamp_min(0)[:, None, :, None].expand(-1, H, -1, 1)
+            nll = -probs.gather(-1, index).squeeze(-1).clamp_min(1e-12).log() * (parents[:, None] >= 0)
+        ((entropy + nll) * weights).sum().backward()
         return entropy.detach(), nll.detach(), query.grad, key.grad
+
+    for fast, slow in zip(both(True), both(False), strict=True):
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mean_attention", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_priors_and_head_means_with_sinks_equal_the_materialized_path(mean_attention, causal):
+    """The checkpointed path (dense prior rows, the heads' mean attention) with sink logits: `-sum_j r_j log p_j` over
+    the keys, `p` including the sink in its denominator, against autograd through the materialized path."""
+    prior = torch.rand(B, T, T, generator=torch.Generator().manual_seed(6))
+    if causal:
+        prior = prior.tril()
+    prior = prior / prior.sum(-1, keepdim=True)
+    mask = padding_mask("bool")
+
+    def both(fast: bool):
+        query, key = inputs()
+        sink = SINKS.clone().requires_grad_()
+        if fast:
+            values = prior_cross_entropy(
+                query, key, mask, prior, D**-0.5, [0, 2, 3], None, causal, 5, mean_attention, sinks=sink
+            )
+        else:
+            probs = attention_probabilities(query, key, mask, D**-0.5, causal=causal, sinks=sink)[:, [0, 2, 3]]
+            probs = probs.mean(1, keepdim=True) if mean_attention else probs
+            values = -(prior[:, None] * probs.clamp_min(1e-12).log()).sum(-1)
+        values.sum().backward()
+        return values.detach(), query.grad, key.grad, sink.grad
 
     for fast, slow in zip(both(True), both(False), strict=True):
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)

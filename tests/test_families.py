@@ -33,7 +33,14 @@ def build(name: str, seed: int = 0):
     if getattr(text, "sliding_window", None) is not None:  # an encoder's window reaches this far on either side
         text.sliding_window = WINDOW if causal else WINDOW // 2
     text.initializer_range = 0.2
-    return model_from_config(config, "causal_lm" if causal else "classification", seed).eval()
+    model = model_from_config(config, "causal_lm" if causal else "classification", seed).eval()
+    family = detect_family(model)
+    if family.sink is not None:  # sink logits that take a real share of each row (gpt-oss draws them at 0.2 here)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for layer in range(len(family.blocks(model))):
+                family.sink_parameter(family.attention_module(model, layer)).normal_(0.0, 2.0, generator=generator)
+    return model
 
 
 def detect_family_name_is_causal(name: str) -> bool:
@@ -196,12 +203,13 @@ def test_blockwise_entropy_and_parent_nll_equal_the_materialized_ones(name):
             if blockwise:
                 inputs = record[layer]
                 args = (inputs.query, inputs.key, inputs.attention_mask)
-                options = dict(causal=inputs.causal, softcap=inputs.softcap)  # Gemma 2 caps its logits
+                # Gemma 2 caps its logits; gpt-oss has a sink logit per head
+                options = dict(causal=inputs.causal, softcap=inputs.softcap, sinks=inputs.sinks)
                 entropy = row_entropy(*args, inputs.scaling, **options)
                 nll = prior_cross_entropy(*args, parents, inputs.scaling, **options)
             else:
                 probs = record[layer]
-                entropy = materialized_entropy(probs)
+                entropy = materialized_entropy(probs, sink=record.has_sink(layer))
                 index = parents.clamp_min(0)[:, None, :, None].expand(-1, probs.shape[1], -1, 1)
                 nll = -probs.gather(-1, index).squeeze(-1).clamp_min(1e-12).log() * (parents[:, None] >= 0)
             values += [(entropy * rows).sum(), (nll * rows).sum()]
@@ -226,9 +234,11 @@ def test_an_unknown_keyword_reaches_attnreg_error_not_sdpa():
     with pytest.raises(NotImplementedError, match=r"\['attention_typo'\] from LlamaAttention \(model_type='llama'\)"):
         model(**batch, attention_typo=1.0)
     query = key = value = torch.randn(1, 4, 3, 8)
-    for keyword, value_ in (("s_aux", torch.zeros(4)), ("position_bias", torch.zeros(1, 4, 3, 3))):
+    for keyword, value_ in (("alibi", torch.zeros(4)), ("position_bias", torch.zeros(1, 4, 3, 3))):
         with pytest.raises(NotImplementedError, match=f"'{keyword}'"):
             attention_forward(hub.attention(0), query, key, value, None, **{keyword: value_})
+    with pytest.raises(NotImplementedError, match="both softcap and s_aux from LlamaAttention"):
+        attention_forward(hub.attention(0), query, key, value, None, softcap=1.0, s_aux=torch.zeros(4))
     # Keywords every path may ignore pass, None values too.
     out, _ = attention_forward(
         hub.attention(0), query, key, value, None, position_ids=None, use_cache=True, sliding_window=4, softcap=None
@@ -252,7 +262,6 @@ REFUSED_CONFIGS = {
     ),
     "gemma3n_text": None,
     "gemma4_text": None,
-    "gpt_oss": None,
 }
 
 

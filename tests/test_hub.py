@@ -288,3 +288,84 @@ def test_generate_matches_without_attnreg(family):
     hub.set_temperature(0.3)
     scale_attention(reference, hub, 1 / 0.3)
     assert torch.equal(model.generate(**prompt, **options), reference.generate(**prompt, **options))
+
+
+# -- gpt-oss: a learned sink logit per head in the softmax denominator ---------------------------------------------
+def gpt_oss_with_sinks(head="causal_lm"):
+    """A tiny gpt-oss whose sink logits take a real share of every row (the tiny config draws them near 0)."""
+    model = tiny_model("gpt_oss", head=head).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0, generator=generator)
+    return model
+
+
+def test_an_untracked_module_with_sinks_runs_eager_gpt_oss_math():
+    """A module the hub does not track (cross-attention, say) that passes `s_aux` gets eager gpt-oss's output, not
+    SDPA's (which would drop the sinks without a word); the reference is transformers' own eager function."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.tensor([2.0, -1.0, 0.5, 3.0]))
+    module.num_key_value_groups = 2
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 5, 8, generator=generator)
+    key, value = torch.randn(2, 2, 5, 8, generator=generator), torch.randn(2, 2, 5, 8, generator=generator)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    additive = torch.zeros(1, 1, 5, 5).masked_fill(~causal, torch.finfo(torch.float32).min)
+    expected, expected_weights = gpt_oss_eager(module, query, key, value, additive, scaling=0.3)
+    output, weights = attnreg.hub.attention_forward(module, query, key, value, causal, scaling=0.3, s_aux=module.sinks)
+    torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-6)
+
+
+def test_gpt_oss_dropout_and_temperature_as_eager_computes_them():
+    """Attention dropout set by the hub, in training, equals eager gpt-oss's with the same rate and seed (dropout on
+    the probabilities after the sink's column is dropped); a temperature divides the sink logit too."""
+    model = gpt_oss_with_sinks().train()
+    eager = copy.deepcopy(model)
+    for layer in eager.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    hub = attnreg.attach(model)
+    hub.set_attention_dropout(0.3)
+    batch = padded_batch()
+    outputs = []
+    for candidate in (model, eager):
+        torch.manual_seed(7)
+        outputs.append(main_output(candidate(**batch)))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    torch.manual_seed(7)
+    hub.set_attention_dropout(0.0)
+    assert (main_output(model(**batch)) - outputs[0]).abs().max() > 1e-3  # the dropout did something
+
+    # Temperature: the hub's logits divided by T equal eager with the query projection and the sinks divided by T.
+    model.eval()
+    eager.eval()
+    temperature = torch.tensor([0.5, 1.0, 2.0, 1.5])
+    hub.set_temperature(temperature, layers=[1])
+    with torch.no_grad():
+        attention = eager.model.layers[1].self_attn
+        attention.q_proj.weight.div_(temperature.repeat_interleave(8)[:, None])
+        attention.q_proj.bias.div_(temperature.repeat_interleave(8))
+        attention.sinks.div_(temperature)
+        torch.testing.assert_close(main_output(model(**batch)), main_output(eager(**batch)), rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_blockwise_inputs_carry_the_sinks_and_their_gradient():
+    """`capture(inputs=True)` records the sink logits divided by the temperature, attached to the module's `sinks`:
+    a blockwise loss trains them."""
+    model = gpt_oss_with_sinks()
+    hub = attnreg.attach(model)
+    hub.set_temperature(2.0, layers=[0])
+    with hub.capture(layers=[0], inputs=True) as record:
+        model(**padded_batch())
+    inputs = record[0]
+    sinks = model.model.layers[0].self_attn.sinks
+    torch.testing.assert_close(inputs.sinks, sinks / 2.0)
+    entropy = attnreg.blockwise.row_entropy(
+        inputs.query, inputs.key, None, inputs.scaling, causal=True, sinks=inputs.sinks
+    )
+    entropy.sum().backward()
+    assert sinks.grad is not None and sinks.grad.abs().min() > 0
+    assert record.has_sink(0)

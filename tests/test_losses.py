@@ -22,6 +22,38 @@ def test_row_entropy_value_and_gradient_match_autograd():
     assert torch.allclose(got, expected)
 
 
+def test_row_entropy_with_a_sink_counts_the_missing_mass_as_one_outcome():
+    """gpt-oss's rows lack the sink's share: with `sink=True` the entropy (and its gradient through the softmax, to the
+    logits and to the sink logit) is that of the whole softmax over keys and sink, computed by autograd here."""
+    scores = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64).mul(3)
+    sinks = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    upstream = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = []
+    for by_hand in (True, False):
+        logits, sink = scores.clone().requires_grad_(), sinks.clone().requires_grad_()
+        column = sink.reshape(1, -1, 1, 1).expand(2, 3, 4, 1)
+        full = torch.cat([logits, column], dim=-1).softmax(-1)  # keys and sink
+        if by_hand:
+            entropy = torch.special.entr(full).sum(-1)
+        else:
+            entropy = row_entropy(full[..., :-1], sink=True)  # what capture records: the sink's column dropped
+        grads = torch.autograd.grad((entropy * upstream).sum(), (logits, sink))
+        results.append((entropy.detach(), *grads))
+    for got, expected in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected)
+    # Without the flag the sink's share is not counted: a different number.
+    assert (row_entropy(full[..., :-1].detach()) - results[0][0]).abs().max() > 0.1
+
+
+def test_normalized_entropy_with_a_sink_reads_one_for_a_head_uniform_over_keys_and_sink():
+    window = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()  # causal: 1, 2, 3, 4 keys
+    probs = window / (window.sum(-1, keepdim=True) + 1.0)  # the sink has one more equal share
+    normalized = attention_entropy(probs, causal=True, normalize=True, layer_mask=window, sink=True)
+    torch.testing.assert_close(normalized, torch.ones(1))  # every row counts: two outcomes at least
+    keys_alone = attention_entropy(probs, causal=True, normalize=True, layer_mask=window)
+    assert abs(float(keys_alone) - 1.0) > 0.01
+
+
 def test_row_entropy_gradient_is_finite_at_masked_keys():
     scores = torch.randn(2, 2, 4, 4, requires_grad=True)
     masked = scores.masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))

@@ -25,11 +25,13 @@ def uniform_head_0(hub):
         hub.set_temperature(torch.tensor([UNIFORM] + [1.0] * (info.num_heads - 1)), layers=[layer])
 
 
-def row_normalized(entropy, padding, keys, causal, layer_mask):
-    """Per-row normalized entropies `[B, h, T]` and the rows that count (real, more than one key)."""
+def row_normalized(entropy, padding, keys, causal, layer_mask, sink=False):
+    """Per-row normalized entropies `[B, h, T]` and the rows that count (real, more than one outcome), and the keys
+    each row admits; a sink (gpt-oss) is one more outcome."""
     shape = torch.Size((entropy.shape[0], entropy.shape[1], entropy.shape[2], keys))
     rows, counts = admissible_keys(padding, shape, causal, layer_mask)
-    return entropy / counts.clamp_min(2).log(), (rows & (counts > 1)).expand_as(entropy), counts
+    outcomes = counts + sink
+    return entropy / outcomes.clamp_min(2).log(), (rows & (outcomes > 1)).expand_as(entropy), counts
 
 
 def test_the_windowed_families_are_the_expected_ones():
@@ -55,8 +57,11 @@ def test_a_uniform_head_reads_one_on_sliding_layers(name):
     for layer in range(hub.num_layers):
         inputs = record[layer]
         keys = inputs.key.shape[2]
-        entropy = blockwise.row_entropy(inputs.query, inputs.key, inputs.attention_mask, inputs.scaling, heads=[0])
-        normalized, counted, counts = row_normalized(entropy, padding, keys, causal, inputs.attention_mask)
+        entropy = blockwise.row_entropy(
+            inputs.query, inputs.key, inputs.attention_mask, inputs.scaling, heads=[0], sinks=inputs.sinks
+        )
+        sink = inputs.sinks is not None
+        normalized, counted, counts = row_normalized(entropy, padding, keys, causal, inputs.attention_mask, sink)
         assert counted.any()
         torch.testing.assert_close(normalized[counted], torch.ones(int(counted.sum())), rtol=0, atol=1e-5)
         _, plain_counts = admissible_keys(padding, torch.Size((3, 1, padding.shape[1], keys)), causal)
@@ -66,7 +71,8 @@ def test_a_uniform_head_reads_one_on_sliding_layers(name):
         # The mean over rows, on both paths: head 0 reads 1, and every head agrees between the paths.
         fast = blockwise.attention_entropy(inputs, padding, causal, normalize=True)
         assert probs.attention_mask(layer).shape == inputs.attention_mask.shape
-        slow = attention_entropy(probs[layer], padding, causal, normalize=True, layer_mask=probs.attention_mask(layer))
+        layer_mask, sink = probs.attention_mask(layer), probs.has_sink(layer)
+        slow = attention_entropy(probs[layer], padding, causal, normalize=True, layer_mask=layer_mask, sink=sink)
         assert abs(float(fast[0]) - 1.0) <= 1e-5 and abs(float(slow[0]) - 1.0) <= 1e-5
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
         assert torch.allclose(blockwise.attention_entropy(inputs, padding, causal, True, heads=[2, 0]), fast[[2, 0]])
@@ -106,12 +112,20 @@ def test_a_uniform_head_reads_one_on_decoding_steps(name):
         for call, (inputs, p) in enumerate(zip(calls, prob_calls, strict=True)):
             keys = inputs.key.shape[2]
             entropy = blockwise.row_entropy(
-                inputs.query, inputs.key, inputs.attention_mask, inputs.scaling, heads=[0], causal=inputs.causal
+                inputs.query,
+                inputs.key,
+                inputs.attention_mask,
+                inputs.scaling,
+                heads=[0],
+                causal=inputs.causal,
+                sinks=inputs.sinks,
             )
-            normalized, counted, counts = row_normalized(entropy, None, keys, True, inputs.attention_mask)
+            sink = probs.has_sink(layer, call)
+            assert sink == (inputs.sinks is not None)
+            normalized, counted, counts = row_normalized(entropy, None, keys, True, inputs.attention_mask, sink)
             torch.testing.assert_close(normalized[counted], torch.ones(int(counted.sum())), rtol=0, atol=1e-5)
             mask = probs.attention_mask(layer, call)
-            slow, slow_counted, _ = row_normalized(row_entropy(p[:, :1]), None, p.shape[-1], True, mask)
+            slow, slow_counted, _ = row_normalized(row_entropy(p[:, :1], sink), None, p.shape[-1], True, mask, sink)
             torch.testing.assert_close(slow[slow_counted], torch.ones(int(slow_counted.sum())), rtol=0, atol=1e-5)
             if inputs.query.shape[2] == 1:  # a decoding step: one query, the window's keys or all of them
                 steps += 1

@@ -83,9 +83,8 @@ def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int =
                 model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"})
                 mask = batch["attention_mask"].to(model.device)
                 for layer in range(hub.num_layers):
-                    entropy = attention_entropy(
-                        probs[layer], mask, hub.family.causal, True, layer_mask=probs.attention_mask(layer)
-                    )
+                    layer_mask, sink = probs.attention_mask(layer), probs.has_sink(layer)  # gpt-oss: one more outcome
+                    entropy = attention_entropy(probs[layer], mask, hub.family.causal, True, layer_mask, sink)
                     totals[layer] += float(entropy.mean())
                 batches += 1
                 if batches == max_batches:

@@ -81,7 +81,8 @@ class EntropyRegularizer(LossTerm):
                 continue
             captured = self.captured(probs, layer)  # the layer's own mask counts its keys (sliding windows)
             layer_mask = probs.attention_mask(layer) if isinstance(probs, AttentionRecord) else None
-            entropy = attention_entropy(captured, mask, self.causal, self.normalize, layer_mask)
+            sink = isinstance(probs, AttentionRecord) and probs.has_sink(layer)  # gpt-oss: the sink is one more outcome
+            entropy = attention_entropy(captured, mask, self.causal, self.normalize, layer_mask, sink)
             entropies.append(entropy if heads is None else entropy[heads])
         if not entropies:
             return torch.zeros((), device=next(self.model.parameters()).device), {}

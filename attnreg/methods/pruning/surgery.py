@@ -247,7 +247,7 @@ def _prune_layer(model: nn.Module, family: Family, plan: _LayerPlan) -> tuple[li
                 sliced += norm_sliced
                 dropped += norm_dropped
     heads_index = torch.tensor(plan.query_keep, dtype=torch.long)
-    for owner, name, tensor in _per_head_tensors(attention):
+    for owner, name, tensor in _per_head_tensors(attention) + _head_parameters(family, attention):
         sliced.append(_slice_tensor(owner, name, tensor, 0, heads_index))
     kept_heads = len(plan.query_keep)
     for attr in family.head_count_attrs:
@@ -359,6 +359,17 @@ def _per_head_tensors(attention: nn.Module) -> list[tuple[nn.Module, str, torch.
         found.append((attention, GATE, gate))
     if compat.buffers_of(attention).get(TEMPERATURE) is not None:
         found.append((attention, TEMPERATURE, compat.buffers_of(attention)[TEMPERATURE]))
+    return found
+
+
+def _head_parameters(family: Family, attention: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The model's own per-head parameters on an attention module (`Family.head_parameters`: gpt-oss's sink
+    logits), one value per query head along dim 0."""
+    found = []
+    for path in family.head_parameters:
+        owner_path, _, name = path.rpartition(".")
+        owner = attention.get_submodule(owner_path) if owner_path else attention
+        found.append((owner, name, owner.get_parameter(name)))
     return found
 
 
