@@ -1,4 +1,5 @@
-"""Every use attnreg makes of a private name of torch, transformers or Lightning, in one place.
+"""Every use attnreg makes of a private name of torch, transformers, accelerate or Lightning, in one place,
+and every reliance on how their training loops hold a distributed wrapper (rebuilding one mid-training).
 
 Each function says what it reads and was checked against the versions in `CHECKED`; `tests/test_compat.py`
 fails, naming the name, when a new version moves one, and `tests/test_layers.py` checks that no other
@@ -13,12 +14,15 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-CHECKED = {"torch": "2.13.0", "transformers": "5.25.0", "lightning": "2.6.6"}
+CHECKED = {"torch": "2.13.0", "transformers": "5.25.0", "accelerate": "1.16.0", "lightning": "2.6.6"}
 """The versions every name below was checked against."""
 
 
@@ -95,6 +99,82 @@ class KeepColumns:
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *self.kept_columns()]))
 
 
+# -- a data-parallel wrapper rebuilt after the parameters changed (a removal of heads during training) -------------
+def lightning_rewrap(strategy: Any) -> Callable[[], None] | None:
+    """A function that rebuilds the DDP wrapper of Lightning's `DDPStrategy` around its LightningModule, the
+    way Lightning built it (`strategy.model = module; strategy.configure_ddp()`: its DDP arguments and
+    communication hooks), for after the module's parameters were replaced; None for any other strategy or
+    when nothing is wrapped (one process). It relies on Lightning's fit loop reading `strategy.model` at
+    every step (its `training_step`, `no_sync` for gradient accumulation), which nothing documents.
+
+    Example:
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> lightning_rewrap(SingleDeviceStrategy("cpu")) is None
+        True
+    """
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if not (isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel)):
+        return None
+
+    def rewrap() -> None:
+        strategy.model = strategy.lightning_module
+        strategy.configure_ddp()
+
+    return rewrap
+
+
+def trainer_rewrap(trainer: Any, replaced: list[nn.Module]) -> Callable[[], None] | None:
+    """A function that rebuilds the DDP wrapper accelerate put around a `transformers.Trainer`'s model
+    (`accelerator.prepare_model` again, on the model unwrapped with its mixed-precision forward undone, so
+    nothing is applied twice), for after the model's parameters were replaced: the new wrapper becomes
+    `trainer.model_wrapped`, and the old one is appended to `replaced`. The Trainer's loop keeps passing
+    the old wrapper to `training_step` (a local variable of `_inner_training_loop`), so the caller must put
+    the new one in its place there (`AttnRegTrainerMixin.training_step`, with `no_sync_as`). Accelerate's
+    list of prepared models (`Accelerator._models`) keeps one entry. None unless the model is wrapped in
+    DDP (DeepSpeed, FSDP, one process).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> trainer_rewrap(SimpleNamespace(model_wrapped=nn.Linear(2, 2)), []) is None
+        True
+    """
+    if not isinstance(trainer.model_wrapped, DistributedDataParallel):
+        return None
+
+    def rewrap() -> None:
+        accelerator = trainer.accelerator
+        stale = trainer.model_wrapped
+        model = accelerator.unwrap_model(stale, keep_fp32_wrapper=False)
+        prepared = accelerator._models
+        count = len(prepared)
+        fresh = accelerator.prepare_model(model)
+        del prepared[count:]  # prepare_model lists the model again
+        if not any(entry is model for entry in prepared):
+            prepared.append(model)
+        replaced.append(stale)
+        trainer.model_wrapped = fresh
+
+    return rewrap
+
+
+@contextmanager
+def no_sync_as(stale: nn.Module, current: nn.Module) -> Iterator[None]:
+    """Inside `current.no_sync()` while `stale` (a DDP wrapper replaced by `current`) is inside its own
+    `no_sync` (DDP's `require_backward_grad_sync`, which `no_sync` clears; undocumented): a loop that still
+    holds the old wrapper skips the all-reduce of an accumulation step on the new one too.
+
+    Example:
+        >>> with no_sync_as(nn.Linear(2, 2), nn.Linear(2, 2)):     # not DDP wrappers: nothing to do
+        ...     pass
+    """
+    if getattr(stale, "require_backward_grad_sync", True) or not isinstance(current, DistributedDataParallel):
+        yield
+        return
+    with current.no_sync():
+        yield
+
+
 PRIVATE_NAMES = {
     "torch": ["torch._C._current_graph_task_id"],
     "torch.nn.Module": [
@@ -110,6 +190,7 @@ PRIVATE_NAMES = {
         "Trainer._set_signature_columns_if_needed",
         "Trainer._signature_columns",
     ],
+    "accelerate": ["Accelerator._models"],
     "lightning": ["LightningModule._trainer", "Callback._generate_state_key"],
 }
 """The private names above, by library (what `tests/test_compat.py` checks)."""

@@ -1,6 +1,7 @@
-"""Run by `torchrun --nproc_per_node 2` from tests/test_distributed.py: `AttnRegTrainer` under DDP (gloo, CPU).
-Writes each rank's final weights, removed heads and logged losses to `<out>/rank<r>.pt`; with `one` as second
-argument, trains in one process on the same global batches instead."""
+"""Run by `torchrun --nproc_per_node 2` from tests/test_distributed.py: `AttnRegTrainer` under DDP (gloo, CPU),
+batches of 1 with 2 accumulation steps, heads removed at two milestones (mid-training, then the last step).
+Writes each rank's final weights, removed heads, rounds and the number of rebuilt wrappers to
+`<out>/rank<r>.pt`; with `one` as second argument, trains in one process on the same global batches of 4."""
 
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from attnreg import methods
 from attnreg.integrations.hf import AttnRegTrainer
 from attnreg.tiny import tiny_model
 
-STEPS = 3
+STEPS = 4
 
 
 def examples():
@@ -24,23 +25,28 @@ def main(out: Path, one: bool) -> None:
     args = sgd_arguments(
         out / "run",
         max_steps=STEPS,
-        per_device_train_batch_size=4 if one else 2,
+        per_device_train_batch_size=4 if one else 1,
+        gradient_accumulation_steps=1 if one else 2,
         learning_rate=0.1,
+        optim_args="momentum=0.9",  # optimizer state, moved onto the fresh parameters
         logging_steps=1,
         ddp_backend=None if one else "gloo",
     )
-    gating = methods.HeadGating(methods.L1Gates(weight=0.5), methods.Removal(keep=5))
+    removal = methods.Removal(milestones=[(0.5, 6), (1.0, 5)])  # 8 heads: 6 after step 2, 5 after step 4
+    gating = methods.HeadGating(methods.L1Gates(weight=0.5), removal)
     chosen = [methods.EntropyRegularizer(weight=1.0, mode="max"), gating]
     trainer = AttnRegTrainer(
         model=tiny_model("gpt2", head="causal_lm").train(), args=args, train_dataset=examples(), methods=chosen
     )
     trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     state = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
-    rank = trainer.args.process_index
-    torch.save(
-        {"weights": state, "removed": gating.removed, "losses": losses}, out / f"{'one' if one else 'rank'}{rank}.pt"
-    )
+    result = {
+        "weights": state,
+        "removed": gating.removed,
+        "rounds": [done.chosen for done in gating.rounds],
+        "rewrapped": len(trainer._attnreg_replaced),
+    }
+    torch.save(result, out / f"{'one' if one else 'rank'}{trainer.args.process_index}.pt")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
 """The private names of torch, transformers and Lightning that attnreg uses (`attnreg.compat`) still exist
 and still mean what attnreg reads from them; a new version that moves one fails here, naming it."""
 
+import inspect
+import os
+import socket
+from contextlib import contextmanager
+from types import SimpleNamespace
+
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import PreTrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 
@@ -68,3 +75,83 @@ def test_lightning_names():
     assert compat.lightning_trainer(module) is trainer
     callback = L.Callback()
     assert compat.callback_state_key(callback, layers=[1]) == "Callback{'layers': [1]}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def one_process_group():
+    """A gloo process group of one process (DDP needs one, even alone); afterwards it is gone, and so are the
+    variables Lightning's DDP puts in the environment (LOCAL_RANK, WORLD_SIZE, ...: later tests would take them
+    for a distributed launch)."""
+    environment = dict(os.environ)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+class Rebuilt(L.LightningModule):
+    """Rebuilds Lightning's DDP wrapper after step 1 and records the wrapper each step ran through."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.wrappers = []
+
+    def training_step(self, batch, batch_idx):
+        self.wrappers.append(self.trainer.strategy.model)
+        return self.layer(batch).sum()
+
+    def on_train_batch_end(self, *args):
+        if self.trainer.global_step == 1:
+            compat.lightning_rewrap(self.trainer.strategy)()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_distributed_wrapper_names():
+    """What rebuilding a DDP wrapper mid-training relies on: DDP's `no_sync` clears `require_backward_grad_sync`;
+    Lightning's fit loop runs each step through `strategy.model`, which `configure_ddp` rebuilds; accelerate's
+    `prepare_model` lists the model in `Accelerator._models`; the Trainer's loop hands `training_step` a model of
+    its own (a local variable), which `AttnRegTrainerMixin.training_step` replaces by a rebuilt wrapper."""
+    from accelerate import Accelerator
+    from torch.nn.parallel import DistributedDataParallel
+
+    with one_process_group():
+        stale, current = DistributedDataParallel(torch.nn.Linear(2, 2)), DistributedDataParallel(torch.nn.Linear(2, 2))
+        with stale.no_sync():
+            assert stale.require_backward_grad_sync is False, "DDP.no_sync no longer clears require_backward_grad_sync"
+            with compat.no_sync_as(stale, current):
+                assert current.require_backward_grad_sync is False
+        with compat.no_sync_as(stale, current):
+            assert current.require_backward_grad_sync is True
+
+        module = Rebuilt()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, strategy="ddp", max_steps=3, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, torch.utils.data.DataLoader(torch.ones(3, 2), batch_size=1))
+        first, second, third = module.wrappers  # rebuilt after the first optimizer step
+        assert second is third and second is not first, "Lightning's loop no longer reads strategy.model"
+        assert isinstance(second, DistributedDataParallel) and second.module is module
+    assert compat.lightning_rewrap(L.Trainer(accelerator="cpu", devices=1).strategy) is None  # nothing wrapped
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    accelerator.prepare_model(model)
+    assert any(entry is model for entry in accelerator._models), "Accelerator._models moved"
+    source = inspect.getsource(Trainer._run_epoch)
+    assert "self.training_step(model," in source, "the Trainer's loop no longer hands training_step its own model"
+    assert compat.trainer_rewrap(SimpleNamespace(model_wrapped=model), []) is None  # not DDP
+    assert not dist.is_initialized()

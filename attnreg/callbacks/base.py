@@ -9,6 +9,10 @@ each optimizer step, `on_before_optimizer_step`, `on_step_end` once the optimize
 events, `on_fit_end`, `teardown`). Its state goes in Lightning checkpoints under a key that tells two
 instances of one class apart. The method's attributes read and write through the callback
 (`callback.name`, `callback.layers`). `TermCallback` adds a loss term through `attnreg.AttnRegMixin`.
+Under `DDPStrategy` a method that gives the module new parameters during training (a removal of heads) has
+Lightning's DDP wrapper rebuilt (`Loop.rewrap`); under a sharding strategy (`ModelParallelStrategy`,
+`FSDPStrategy`) or DeepSpeed the loop has no `rewrap`. A term or figure a method computes on sharded
+parameters (a `DTensor`) is logged whole.
 
 Example:
     >>> from attnreg.methods import EntropyRegularizer
@@ -34,9 +38,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim.lr_scheduler import LambdaLR
 
-from attnreg.compat import callback_state_key, lightning_trainer
+from attnreg.compat import callback_state_key, lightning_rewrap, lightning_trainer
 from attnreg.hub import AttentionRecord, find_transformers_model
 from attnreg.methods import Loop, Method
+from attnreg.methods.runner import full_value
 from attnreg.mixin import AttnRegMixin, require_mixin
 
 
@@ -152,6 +157,8 @@ class MethodCallback(L.Callback):
             world_size=trainer.world_size,
             is_main=trainer.is_global_zero,
             broadcast=lambda value: trainer.strategy.broadcast(value, src=0),
+            rewrap=lightning_rewrap(trainer.strategy),
+            engine=f"Lightning's {type(trainer.strategy).__name__}",
             log=log,
             report=report,
             figure=figure if boards else None,
@@ -264,9 +271,9 @@ class TermCallback(MethodCallback):
         module = self._module
         value, figures = self.method.term(probs, batch, module.global_step)
         sync = lightning_trainer(module) is not None and module.trainer.world_size > 1
-        for name, figure in figures.items():
-            module.log(f"attnreg/{name}", figure, sync_dist=sync)
-        return value
+        for name, figure in figures.items():  # sync_dist all-reduces: a DTensor has no rule for it
+            module.log(f"attnreg/{name}", full_value(figure), sync_dist=sync)
+        return full_value(value)
 
     def _drop_if_inactive(self) -> None:
         """A method whose term has stopped (gates folded at the last removal) leaves the loss."""

@@ -7,7 +7,9 @@ the Trainer's training logs (`attnreg/<name>`, averaged over the steps between t
 builds the optimizer replaces the Trainer's (its learning-rate factor, where it has one, the scheduler),
 and `TrainerCallback` events become `on_step_begin`, `on_before_optimizer_step`, `on_step_end`,
 `on_epoch_begin`/`end` and `on_fit_end`, with a `Loop` holding the step, the optimizers, the last batch,
-the output folder and rank 0's choice for every process (`broadcast`).
+the output folder and rank 0's choice for every process (`broadcast`). Under DDP (torchrun, accelerate), a
+method that gives the model new parameters during training (a removal of heads) has accelerate's DDP wrapper
+rebuilt (`Loop.rewrap`; `training_step` then runs on the new wrapper); under DeepSpeed or FSDP it cannot.
 
 `AttnRegTrainerMixin` composes with any `Trainer` subclass that computes its loss through `compute_loss`
 (`with_attnreg(SFTTrainer)`); `AttnRegTrainer` is it on the plain `Trainer`. Forwards that are not the
@@ -57,7 +59,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from attnreg.compat import KeepColumns
+from attnreg.compat import KeepColumns, no_sync_as, trainer_rewrap
 from attnreg.hub import is_attached, unfolded_saves
 from attnreg.methods import Loop, Method, Runner
 from attnreg.methods.pruning import restore_saved_pruning, write_spec
@@ -90,6 +92,7 @@ class AttnRegTrainerMixin(KeepColumns):
         self.attnreg = Runner(methods)
         super().__init__(*args, **kwargs)
         self._last_inputs: Any = None
+        self._attnreg_replaced: list[nn.Module] = []  # DDP wrappers rebuilt since (`Loop.rewrap`)
         self.attnreg.bind(self._attnreg_model())  # gates must exist before the optimizer is built
         self.add_callback(_Events(self))
         reentrant = (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
@@ -108,6 +111,15 @@ class AttnRegTrainerMixin(KeepColumns):
         return self.accelerator.unwrap_model(self.model)
 
     # -- the loss ------------------------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The Trainer's step, on the DDP wrapper a method had rebuilt (`Loop.rewrap`) where the Trainer's loop
+        still holds the old one (and in the new one's `no_sync` while the loop is in the old one's)."""
+        if any(model is stale for stale in self._attnreg_replaced):
+            current = self.model_wrapped
+            with no_sync_as(model, current):
+                return super().training_step(current, inputs, *args, **kwargs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
     def compute_loss(
         self,
         model: nn.Module,
@@ -254,6 +266,8 @@ class _Events(TrainerCallback):
             world_size=args.world_size,
             is_main=args.should_save,
             broadcast=_broadcast if args.world_size > 1 else _same,
+            rewrap=trainer_rewrap(trainer, trainer._attnreg_replaced) if args.world_size > 1 else None,
+            engine=f"the Trainer ({trainer.accelerator.distributed_type})",
             log=trainer.attnreg.record,
             report=lambda figures: trainer.log(dict(figures)),  # the Trainer adds "epoch" to what it logs
             stop=stop,

@@ -17,7 +17,8 @@ The events, each optional (the base class does nothing):
 6. `state_dict()` / `load_state_dict()` with every checkpoint; `unbind()` when the adapter lets go.
 
 `loop` (a `Loop`) is what the adapter tells about the run: steps and epochs done, the optimizers, logging,
-stopping, the output folder, and agreement across processes (`broadcast`).
+stopping, the output folder, agreement across processes (`broadcast`) and, where the engine allows it, a
+rebuilt data-parallel wrapper after a method changed the parameters (`rewrap`).
 
 Example:
     >>> import torch
@@ -70,10 +71,16 @@ class Loop:
     matplotlib figure, where the logger takes one; None where none does), `stop` (end training after
     this step).
 
+    Under several processes a method that gives the model new parameters during training (fresh
+    `nn.Parameter`s of other shapes, the optimizers moved onto them: a removal of heads) calls `rewrap()`:
+    the adapter rebuilds its engine's data-parallel wrapper (DDP) around the model, on every process at
+    the same step, since torch forbids changing parameters under a live wrapper. `rewrap` is None where the
+    engine offers no safe way (a sharded model, DeepSpeed); `engine` names the engine for the method's error.
+
     Example:
         >>> loop = Loop(step=3)
-        >>> loop.broadcast({0: [1]}), loop.is_main, loop.optimizers
-        ({0: [1]}, True, [])
+        >>> loop.broadcast({0: [1]}), loop.is_main, loop.optimizers, loop.rewrap, loop.engine
+        ({0: [1]}, True, [], None, 'a loop of your own')
     """
 
     step: int = 0
@@ -88,6 +95,8 @@ class Loop:
     report: Callable[[Mapping[str, float]], None] = _no_log
     figure: Callable[[str, Any], None] | None = None
     stop: Callable[[], None] = _no_stop
+    rewrap: Callable[[], None] | None = None
+    engine: str = "a loop of your own"
 
 
 class Method:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from attnreg.hub import AttentionRecord, attach
 from attnreg.methods.base import Loop, Method
@@ -163,10 +164,11 @@ class Runner:
             if result is None:
                 continue
             value, figures = result
+            value = full_value(value)
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
                 raise TypeError(f"the term of {method.name!r} must be a scalar tensor, got {value!r}")
             total = total + value * scale
-            self.record({method.name: value.detach(), **figures})
+            self.record({method.name: value.detach(), **{name: full_value(figure) for name, figure in figures.items()}})
         return total
 
     def record(self, figures: Mapping[str, Any]) -> None:
@@ -224,3 +226,15 @@ class Runner:
             if method.name not in state:
                 raise KeyError(f"{source} has no state for the method {method.name!r} (it has {sorted(state)})")
             method.load_state_dict(state[method.name])
+
+
+def full_value(value: Any) -> Any:
+    """A term or figure computed on parameters sharded by FSDP2 (a `DTensor`) as a plain full tensor,
+    differentiably: what a loss adds to the model's loss and a logger all-reduces. Anything else as it is.
+
+    Example:
+        >>> value = torch.tensor(0.5)
+        >>> full_value(value) is value, full_value(2.0)
+        (True, 2.0)
+    """
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -40,6 +40,7 @@ Example (what an adapter does; `attnreg.HeadGating` is the Lightning one):
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from attnreg.hub import AttentionRecord
+from attnreg.hub import AttentionRecord, attach
 from attnreg.methods import pruning
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.loss_term import check_weight
@@ -58,6 +59,7 @@ from attnreg.schedules import ScheduleLike, as_schedule
 
 Milestones = Sequence[tuple[float, int]]
 RESCUE_FOLDER = "attnreg-unpruned"  # in the run's output folder: a model whose head removal failed, gated
+GATHERED_FOLDER = "attnreg-pruned"  # in the run's output folder: a sharded model gathered whole, its heads removed
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,14 @@ class HeadGating(Method):
     Lagrangian (`HardConcreteGates` and a head count), `multipliers` (`lambdas`, a copy) and their
     `dual_optimizer` live here, outside the model and its optimizer, and in `state_dict`.
 
+    Several processes: every process removes rank 0's choice (`Loop.broadcast`). A removal during
+    training gives the model fresh parameters (`renew_parameters`) and asks the adapter to rebuild its
+    data-parallel wrapper (`Loop.rewrap`, DDP); where the engine cannot (`rewrap` None), or where the
+    model is sharded (FSDP2: its parameters are `DTensor`s), it is refused in `on_fit_start`. A sharded
+    model's heads go at the end of training: every process gathers the weights whole, rank 0 removes the
+    heads from an unsharded copy (`gathered`, None on the other processes) and saves it with
+    `attnreg.methods.pruning.save_pruned` to `<output_dir>/attnreg-pruned`; the sharded model keeps them.
+
     Example:
         >>> from attnreg.tiny import tiny_model
         >>> gating = HeadGating(L1Gates(weight=0.1), Removal(keep=6))
@@ -268,6 +278,7 @@ class HeadGating(Method):
         self.rounds: list[PruningRound] = []
         self.report: pruning.PruneReport | None = None
         self.pruned_at_step: int | None = None
+        self.gathered: nn.Module | None = None  # a sharded model, gathered whole on rank 0, its heads removed
 
     @property
     def lagrangian(self) -> bool:
@@ -520,11 +531,27 @@ class HeadGating(Method):
         return not self.pruned
 
     def on_fit_start(self, loop: Loop) -> None:
-        if loop.world_size > 1 and self.removal.during_training and not self.pruned:
+        if self.removal.during_training and not self.pruned:
+            self._check_removal_in_training(loop)
+
+    def _check_removal_in_training(self, loop: Loop) -> None:
+        """Refuse a removal during training that the processes could not continue from."""
+        at_end = "remove at the end of training (Removal without after_steps, after_epochs and milestones)"
+        if sharded(self.require_bound()):
             raise NotImplementedError(
-                "HeadGating: removing heads during training under several processes is not supported (each "
-                "process's optimizer and gradient buckets keep the old shapes); remove at the end of training "
-                "(Removal without after_steps, after_epochs and milestones)"
+                "HeadGating: removing heads during training of a sharded model (FSDP2: its parameters are DTensors) "
+                "is not supported: a removal slices each projection whole, and the shards, their optimizer state "
+                f"and the engine's sharding would all have to be rebuilt; {at_end}: every process then gathers the "
+                f"weights, and rank 0 removes the heads from an unsharded copy and saves it to <output_dir>/"
+                f"{GATHERED_FOLDER}"
+            )
+        if loop.world_size > 1 and loop.rewrap is None:
+            raise NotImplementedError(
+                "HeadGating: removing heads during training under several processes gives the model new "
+                "parameters, so the data-parallel wrapper must be rebuilt around them (torch forbids changing "
+                f"parameters under a live DDP wrapper), and {loop.engine} offers attnreg no way to (Loop.rewrap is "
+                "None). It works under DDP: Lightning's DDPStrategy, the Trainer under torchrun or accelerate, a "
+                f"loop of your own that passes Loop(rewrap=...); or {at_end}"
             )
 
     def on_before_optimizer_step(self, loop: Loop) -> None:
@@ -537,18 +564,79 @@ class HeadGating(Method):
         self.remove_if_due(loop, self.due(loop.step, loop.epoch))
 
     def on_fit_end(self, loop: Loop) -> None:
-        self.remove_if_due(loop, self.due(loop.step, end=True))
+        self.remove_if_due(loop, self.due(loop.step, end=True), training=False)
 
-    def remove_if_due(self, loop: Loop, due: tuple[int | None, bool] | None) -> pruning.PruneReport | None:
+    def remove_if_due(
+        self, loop: Loop, due: tuple[int | None, bool] | None, training: bool = True
+    ) -> pruning.PruneReport | None:
         """Remove heads when `due` (from `due`) says so: every process removes rank 0's choice, the
         optimizers' state sliced along; a failed removal leaves the model gated in
-        `<output_dir>/attnreg-unpruned` (see `prune`)."""
+        `<output_dir>/attnreg-unpruned` (see `prune`). While `training` continues under several processes,
+        the model gets fresh parameters and the adapter rebuilds its wrapper (`Loop.rewrap`); a sharded
+        model is gathered whole instead, once training is over (`gather_and_prune`)."""
         if due is None:
             return None
+        if training and (loop.world_size > 1 or sharded(self.require_bound())):
+            self._check_removal_in_training(loop)
         keep, final = due
         positions = loop.broadcast(self.choose(keep))
+        if sharded(self.require_bound()):
+            return self.gather_and_prune(loop, positions)
         rescue = Path(loop.output_dir, RESCUE_FOLDER) if loop.is_main and loop.output_dir is not None else None
-        return self.prune(loop.optimizers, loop.step, keep, final, positions, rescue)
+        report = self.prune(loop.optimizers, loop.step, keep, final, positions, rescue)
+        if training and loop.world_size > 1:
+            renew_parameters(self.model, [item.tensor for item in report.sliced], loop.optimizers)
+            loop.rewrap()
+        return report
+
+    def gather_and_prune(self, loop: Loop, positions: dict[int, list[int]]) -> pruning.PruneReport | None:
+        """The final removal of a sharded model (FSDP2), once training is over: every process gathers the
+        weights whole (a collective), rank 0 copies them into an unsharded model of the same class and
+        config (`gathered`), removes the heads at `positions` (rank 0's choice) there, folds the gates and
+        saves it to `<output_dir>/attnreg-pruned` (`attnreg.methods.pruning.load_pruned` reads it). The
+        sharded model keeps its heads and gates. Returns the report on rank 0, None elsewhere."""
+        model = self.require_bound()
+        weights = {name: whole(value).detach().cpu() for name, value in model.state_dict().items()}
+        chosen = {layer: heads for layer, heads in pruning.to_original_numbers(model, positions).items() if heads}
+        for layer, heads in chosen.items():
+            self.removed[layer] = sorted({*self.removed.get(layer, ()), *heads})
+        self.pruned, self.pruned_at_step = True, loop.step
+        if not loop.is_main:
+            return None
+        unsharded = self._unsharded_copy(weights)
+        self.report = pruning.prune_heads(unsharded, chosen)
+        pruning.fold_gates(unsharded)
+        self.rounds.append(PruningRound(loop.step, chosen, self.report, True))
+        self.gathered = unsharded
+        if loop.output_dir is not None:
+            pruning.save_pruned(unsharded, Path(loop.output_dir, GATHERED_FOLDER))
+        return self.report
+
+    def _unsharded_copy(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+        """A model of the bound model's class and config on the CPU, with its pruning, its gates (as `bind`
+        makes them) and `weights` (full tensors, loaded strictly)."""
+        model = self.require_bound()
+        config = copy.deepcopy(model.config)
+        removed, silenced = pruning.pruned_heads(model), pruning.silenced_heads(model)
+        for record in (pruning.PRUNED_HEADS, pruning.SILENCED_HEADS):
+            setattr(config, record, {})
+        unsharded = type(model)(config).train(model.training)
+        floating = [value.dtype for value in weights.values() if value.is_floating_point()]
+        if floating:
+            unsharded.to(dtype=floating[0])
+        hub = attach(unsharded)
+        if removed:
+            pruning.prune_heads(unsharded, removed)
+        if silenced:
+            pruning.silence_heads(unsharded, silenced)
+        for layer in self.gated_layers:
+            if isinstance(self.gates, L1Gates):
+                hub.gate(layer)
+            else:
+                gates = self.gates
+                pruning.make_hard_concrete(hub, layer, gates.initial_log_alpha, gates.temperature, gates.stretch)
+        unsharded.load_state_dict(weights)
+        return unsharded
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -592,6 +680,58 @@ def _load_adam_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) ->
         key: torch.tensor(value, dtype=torch.float32 if key == "step" else parameter.dtype)
         for key, value in state.items()
     }
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether `model` has parameters sharded by FSDP2 (`DTensor`s).
+
+    Example:
+        >>> sharded(nn.Linear(2, 2))
+        False
+    """
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def renew_parameters(
+    model: nn.Module, tensors: Iterable[torch.Tensor], optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> dict[torch.Tensor, nn.Parameter]:
+    """Put a fresh `nn.Parameter` in `model` in place of each parameter among `tensors` (those a removal
+    sliced in place), with its data, gradient and `requires_grad`, and move the optimizers' groups and state
+    onto it. A data-parallel wrapper rebuilt after a removal needs it: torch's DDP keeps each parameter's
+    gradient accumulator, with the shape it had, so re-wrapping parameters whose data was sliced fails in
+    backward. Returns {old parameter: new parameter}.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert")
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> report = pruning.prune_heads(model, {0: [1]}, [optimizer])
+        >>> old = model.encoder.layer[0].attention.self.query.weight
+        >>> renewed = renew_parameters(model, [item.tensor for item in report.sliced], [optimizer])
+        >>> new = model.encoder.layer[0].attention.self.query.weight
+        >>> new is renewed[old] and new is not old, torch.equal(new, old), tuple(new.shape)
+        (True, True, (24, 32))
+        >>> any(p is new for p in optimizer.param_groups[0]["params"]), any(p is old for p in model.parameters())
+        (True, False)
+    """
+    wanted = {id(tensor): tensor for tensor in tensors if isinstance(tensor, nn.Parameter)}
+    fresh: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if id(parameter) not in wanted:
+                continue
+            if id(parameter) not in fresh:
+                new = nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad)
+                new.grad = parameter.grad
+                fresh[id(parameter)] = new
+            setattr(module, name, fresh[id(parameter)])
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"][:] = [fresh.get(id(parameter), parameter) for parameter in group["params"]]
+        for key, new in fresh.items():
+            if wanted[key] in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(wanted[key])
+    return {wanted[key]: new for key, new in fresh.items()}
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
