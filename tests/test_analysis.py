@@ -22,7 +22,9 @@ from attnreg.analysis import (
     TokenSimilarity,
     analyze,
     attention_statistics,
+    block_statistics,
     check_tokenizer,
+    first_token_attention,
     head_roles,
     parent_accuracy,
     predicted_heads,
@@ -105,6 +107,7 @@ def test_statistics_of_hand_built_heads():
     expected = {
         "entropy": [0.0, 0.0, 1.0, 0.0],
         "to_start": [2 / 6, 0.0, 1 / 6, 1 / 6],
+        "to_first": [2 / 6, 0.0, 1 / 6, 1 / 6],  # [CLS] is the first token
         "to_end": [0.0, 1.0, 1 / 6, 1 / 6],
         "to_punctuation": [1 / 6, 0.0, 1 / 6, 1 / 6],
         "to_self": [1 / 6, 1 / 6, 1 / 6, 1.0],
@@ -462,3 +465,164 @@ def test_lightning_checkpoint_loads_with_its_base(saved_model):
     assert model.config.num_labels == 3 and loaded_tokenizer.is_fast
     for key, value in classifier.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise: statistics and parent accuracy from queries and keys, never [T, T]
+# ---------------------------------------------------------------------------------------------
+BLOCK_FAMILIES = {
+    "bert": {},
+    "gpt2": {},
+    "llama": {},  # grouped-query attention
+    "mistral": {"sliding_window": 3},  # the window lives in the layer's 4-D mask
+    "gemma2": {"sliding_window": 3},  # logit softcap, sliding and full layers alternating
+}
+
+
+def mixed_batches(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Two batches of 11 tokens over word_tokenizer's ids ([CLS] first, punctuation and [SEP] among them): one
+    right-padded, one left-padded."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for side in ("right", "left"):
+        input_ids = torch.randint(3, len(word_tokenizer()), (3, 11), generator=generator)
+        input_ids[:, 0] = 2
+        attention_mask = torch.ones(3, 11, dtype=torch.long)
+        for row, pad in ((1, 3), (2, 6)):
+            attention_mask[row, -pad:] = 0 if side == "right" else 1
+            if side == "left":
+                attention_mask[row, :pad] = 0
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask})
+    return batches
+
+
+@pytest.mark.parametrize("family", sorted(BLOCK_FAMILIES))
+def test_blockwise_statistics_equal_the_materialized_path(family):
+    model = tiny_model(family, layers=2, heads=4, hidden=32, **BLOCK_FAMILIES[family]).eval()
+    tokenizer, batches = word_tokenizer(), mixed_batches()
+    blocks = attnreg.analysis.head_statistics(model, tokenizer, batches, blockwise=True, block_size=3)
+    full = attnreg.analysis.head_statistics(model, tokenizer, batches, blockwise=False)
+    torch.testing.assert_close(blocks.rows, full.rows)  # the same rows counted for every statistic
+    for name in blocks:
+        torch.testing.assert_close(blocks[name], full[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert not blocks["to_first"].isnan().any() and blocks["to_first"].min() > 0
+
+
+def test_sliding_window_uniform_heads_read_entropy_one_and_their_sink_share():
+    """Queries of zero give every admitted key the same score: attention is uniform over the window the layer's
+    mask admits, so normalized entropy is 1 on both paths and the first token gets 1/(i+1) until it leaves it."""
+    window, tokens = 3, 9
+    model = tiny_model("mistral", layers=1, heads=4, hidden=32, sliding_window=window).eval()
+    with torch.no_grad():
+        model.layers[0].self_attn.q_proj.weight.zero_()
+    batch = [{"input_ids": torch.arange(5, 5 + tokens)[None]}]
+    expected_first = sum(1 / (i + 1) for i in range(window)) / tokens  # row i sees keys max(0, i - 2)..i
+    for blockwise in (True, False):
+        stats = attnreg.analysis.head_statistics(model, word_tokenizer(), batch, blockwise=blockwise, block_size=2)
+        torch.testing.assert_close(stats["entropy"], torch.ones(1, 4))
+        torch.testing.assert_close(stats["to_first"], torch.full((1, 4), expected_first))
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_attention_to_the_first_token_against_a_direct_computation(family):
+    model = tiny_model(family, layers=2, heads=4, hidden=32).eval()
+    hub = attnreg.attach(model)
+    batch = mixed_batches()[1]  # left-padded: the first real token is not at position 0
+    with torch.no_grad(), hub.capture() as probs:
+        model(**batch)
+    mask = batch["attention_mask"]
+    expected = torch.zeros(2, 4)
+    for layer in range(2):
+        for head in range(4):
+            shares = [
+                float(probs[layer][b, head, i, int(mask[b].nonzero()[0])])
+                for b in range(mask.shape[0])
+                for i in range(mask.shape[1])
+                if mask[b, i]
+            ]
+            expected[layer, head] = sum(shares) / len(shares)
+        torch.testing.assert_close(first_token_attention(probs[layer], mask), expected[layer])
+    for blockwise in (True, False):
+        stats = attnreg.analysis.head_statistics(model, word_tokenizer(), [batch], blockwise=blockwise, block_size=4)
+        torch.testing.assert_close(stats["to_first"], expected)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_blockwise_parent_accuracy_equals_the_materialized_path(family):
+    tokenizer = word_tokenizer()
+    model = tiny_model(family, vocab=len(tokenizer), layers=2, heads=4, hidden=32).eval()
+    sentences = random_sentences(16)
+    blocks = parent_accuracy(model, tokenizer, sentences, batch_size=6, blockwise=True, block_size=3)
+    full = parent_accuracy(model, tokenizer, sentences, batch_size=6, blockwise=False)
+    assert blocks.causal == (family == "llama") and blocks.words == full.words > 0
+    torch.testing.assert_close(blocks.hits, full.hits)
+    torch.testing.assert_close(blocks.reverse_hits, full.reverse_hits)
+    assert blocks.relation_words() == full.relation_words()
+    for relation in full.by_relation:
+        torch.testing.assert_close(blocks.by_relation[relation][0], full.by_relation[relation][0], msg=relation)
+        torch.testing.assert_close(blocks.reverse_by_relation[relation], full.reverse_by_relation[relation])
+    if family == "bert":  # and both equal the per-sentence loop
+        forward, backward = reference_accuracy(model, tokenizer, sentences)
+        torch.testing.assert_close(blocks.accuracy, forward.float())
+        torch.testing.assert_close(blocks.reverse_accuracy, backward.float())
+
+
+def test_blockwise_path_never_builds_attention_maps(monkeypatch):
+    """The blockwise path never calls the hub's materializing softmax; by default it is taken above
+    BLOCKWISE_LENGTH tokens only."""
+    model = tiny_model("gpt2", layers=2, heads=4, hidden=32).eval()
+    tokenizer, batches = word_tokenizer(), mixed_batches()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("attention was materialized")
+
+    monkeypatch.setattr(attnreg.hub, "attention_probabilities", refuse)
+    tokens = analyze(model, tokenizer, batches, blockwise=True, block_size=4).tokens
+    assert tokens == 2 * (33 - 9)
+    with pytest.raises(AssertionError, match="materialized"):
+        analyze(model, tokenizer, batches, blockwise=False)
+    monkeypatch.setattr(attnreg.analysis.runner, "BLOCKWISE_LENGTH", 10)  # the batches have 11 tokens
+    analyze(model, tokenizer, batches)
+    with pytest.raises(AssertionError, match="materialized"):
+        analyze(model, tokenizer, [{key: value[:, :10] for key, value in batch.items()} for batch in batches])
+
+
+def test_blockwise_on_a_pruned_model():
+    tokenizer = word_tokenizer()
+    model = tiny_model("bert", vocab=len(tokenizer), layers=3, heads=4, hidden=32).eval()
+    prune_heads(model, {0: [3], 2: [0, 1, 2, 3]})  # one head, and a whole layer
+    sentences = random_sentences(8)
+    blocks = analyze(model, tokenizer, sentences, blockwise=True, block_size=5)
+    full = analyze(model, tokenizer, sentences, blockwise=False)
+    for name in blocks.statistics:
+        torch.testing.assert_close(blocks.statistics[name], full.statistics[name], atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(blocks.syntax.hits, full.syntax.hits)
+    assert blocks.statistics["entropy"][0, 3].isnan() and blocks.statistics["entropy"][2].isnan().all()
+    assert not blocks.statistics["entropy"][:2, :3].isnan().any()
+
+
+def test_blockwise_arguments_are_checked():
+    model, tokenizer = tiny_model("gpt2").eval(), word_tokenizer()
+    batch = mixed_batches()[:1]
+    with pytest.raises(TypeError, match="blockwise must be True, False or None"):
+        analyze(model, tokenizer, batch, blockwise="yes")
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+        analyze(model, tokenizer, batch, block_size=0)
+    hub = attnreg.attach(model)
+    with torch.no_grad(), hub.capture(layers=[0], inputs=True) as record:
+        cache = model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True).past_key_values
+        model(input_ids=torch.tensor([[8]]), cache=cache)  # one query, four keys
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        block_statistics(record[0], torch.zeros(1, 1, 3, dtype=torch.bool))
+
+
+def test_analyze_command_blockwise_writes_the_same_figures(saved_model):
+    options = [str(saved_model / "model"), str(saved_model / "dev.conllu"), "--no-plots", "--batch-size", "5"]
+    for mode in ("on", "off"):
+        assert main([*options, "--out", str(saved_model / mode), "--blockwise", mode, "--block-size", "4"]) == 0
+    blocks, full = (json.loads((saved_model / mode / "statistics.json").read_text()) for mode in ("on", "off"))
+    assert blocks["syntax"] == full["syntax"] and blocks["roles"] == full["roles"]
+    for name, values in full["statistics"].items():
+        np.testing.assert_allclose(np.array(blocks["statistics"][name], float), np.array(values, float), atol=1e-5)
+    with pytest.raises(SystemExit):
+        main([*options, "--block-size", "0"])

@@ -16,6 +16,7 @@ import attnreg
 from attnreg.analysis import parent_accuracy
 from attnreg.callbacks.monitor import AttentionMonitor, EntropyCollapseWarning
 from attnreg.losses import attention_entropy
+from attnreg.methods.monitor.method import AttentionMonitor as MonitorMethod
 from attnreg.syntax import Sentence
 from attnreg.tiny import tiny_model
 
@@ -102,6 +103,34 @@ def test_monitor_values_land_in_the_csv_logger(tmp_path):
     assert monitor.collapses == [] and monitor.entropy.shape == (2, 4)
 
 
+def test_attention_on_the_first_token_against_a_direct_computation():
+    """The sink share per head: on a left-padded decoder batch, the first real token is not at position 0."""
+    network = tiny_model("gpt2").eval()
+    monitor = MonitorMethod()  # the method object the callback wraps
+    monitor.bind(network)
+    batch = padded_batch(batch=3, length=7)
+    batch["attention_mask"] = batch["attention_mask"].flip(-1)  # left padding
+    check = monitor.check(batch, step=3)
+    with torch.no_grad(), monitor.hub.capture() as probs:
+        network(**batch)
+    mask = batch["attention_mask"]
+    for layer in range(2):
+        for head in range(4):
+            shares = [
+                float(probs[layer][row, head, query, int(mask[row].nonzero()[0])])
+                for row in range(3)
+                for query in range(7)
+                if mask[row, query]
+            ]
+            expected = sum(shares) / len(shares)
+            assert float(check.first_token[layer, head]) == pytest.approx(expected, abs=1e-6)
+            logged = check.metrics[f"attnreg/attention_monitor/first_token/layer{layer}/head{head}"]
+            assert logged == pytest.approx(expected, abs=1e-6)
+        layer_mean = check.metrics[f"attnreg/attention_monitor/first_token/layer{layer}"]
+        assert layer_mean == pytest.approx(float(check.first_token[layer].mean()), abs=1e-6)
+    assert monitor.first_token is check.first_token
+
+
 def test_collapse_warns_on_a_collapsed_layer_and_stops_when_asked():
     network = model()
     attnreg.attach(network).set_temperature(1e-4, layers=[0])  # near one-hot attention in layer 0
@@ -137,3 +166,28 @@ def test_bad_settings_are_refused_early():
         AttentionMonitor(on_collapse="panic")
     with pytest.raises(ValueError, match="tokenizer"):
         AttentionMonitor(gold_sentences=GOLD)
+
+
+def test_gpt_oss_sinks_count_in_the_monitor_and_are_refused_by_head_statistics():
+    """The monitor's entropy counts the sink as one more outcome (equal to `attention_entropy(..., sink=True)` on
+    eager's probabilities); the head statistics, which do not count it yet, refuse instead of reading it wrong."""
+    from attnreg.analysis import head_statistics
+    from attnreg.app.task import build_tokenizer, vocabulary
+
+    tokenizer = build_tokenizer(vocabulary())
+    model = tiny_model("gpt_oss", head="causal_lm", vocab=len(tokenizer)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    monitor = MonitorMethod(every_n_steps=1, heatmaps=False)
+    monitor.bind(model)
+    check = monitor.check(batch, step=0)
+    with torch.no_grad():
+        eager = model(**batch, output_attentions=True).attentions
+    for layer, probs in enumerate(eager):
+        assert float(probs.sum(-1).max()) < 0.999  # the sink takes a share
+        expected = attention_entropy(probs, batch["attention_mask"], True, True, sink=True)
+        torch.testing.assert_close(check.entropy[layer], expected.float(), atol=1e-5, rtol=1e-4)
+    with pytest.raises(NotImplementedError, match="sink logits"):
+        head_statistics(model, tokenizer, [batch])

@@ -1,6 +1,8 @@
 """Attention analysis: head statistics, head roles, syntactic accuracy, token importance, collapse checks.
 
-One streaming pass (`analyze`) fills everything; no attention map outlives its batch.
+One streaming pass (`analyze`) fills everything; no attention map outlives its batch, and with
+`blockwise=True` (by default above `BLOCKWISE_LENGTH` tokens) none is built at all: each layer is reduced
+from its queries and keys in blocks of query rows (`attnreg.analysis.blocks`), for long documents on decoders.
 
 Example:
     >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
@@ -21,6 +23,13 @@ Example:
     []
 """
 
+from attnreg.analysis.blocks import (
+    AttentionBlock,
+    attention_blocks,
+    block_statistics,
+    block_word_attention,
+    layer_by_layer,
+)
 from attnreg.analysis.dependencies import (
     DIRECTIONS,
     Direction,
@@ -41,20 +50,23 @@ from attnreg.analysis.heads import (
     RoleThresholds,
     TokenKinds,
     attention_statistics,
+    first_token_attention,
     head_output_norms,
     head_roles,
 )
 from attnreg.analysis.representations import TokenSimilarity, mean_token_similarity, token_importance
-from attnreg.analysis.runner import Analysis, analyze, head_statistics, parent_accuracy
+from attnreg.analysis.runner import BLOCKWISE_LENGTH, Analysis, analyze, head_statistics, parent_accuracy
 from attnreg.analysis.vocabulary import check_tokenizer
 
 __all__ = [
     "ATTENTION_STATISTICS",
+    "BLOCKWISE_LENGTH",
     "DIRECTIONS",
     "KINDS",
     "ROLES",
     "STATISTICS",
     "Analysis",
+    "AttentionBlock",
     "Direction",
     "HeadRole",
     "HeadRoles",
@@ -65,12 +77,17 @@ __all__ = [
     "TokenKinds",
     "TokenSimilarity",
     "analyze",
+    "attention_blocks",
     "attention_statistics",
     "batch_word_attention",
+    "block_statistics",
+    "block_word_attention",
     "check_tokenizer",
+    "first_token_attention",
     "head_output_norms",
     "head_roles",
     "head_statistics",
+    "layer_by_layer",
     "mean_token_similarity",
     "parent_accuracy",
     "predicted_heads",

@@ -347,34 +347,61 @@ class ParentAccuracy:
     ) -> None:
         """Add one batch: `probs[layer]` `[B, H, T, T]` for the tokens `targets` is aligned to.
         `heads[layer]` gives the original numbers of the layer's current heads (default 0..H-1)."""
-        scored = targets.scored
-        count = int(scored.sum())
-        if count == 0:
+        if not self.count(targets):
             return
-        self._count_words(targets)
-        relations = len(targets.relations)
-        by_relation = torch.zeros(2, relations, *self.hits.shape, dtype=torch.float64)
-        device = next(iter(probs.values())).device
-        membership, gold = targets.membership.to(device), targets.gold.to(device)
-        scored, codes = targets.scored.to(device), targets.relation_ids[targets.scored].to(device)
-        valid = membership.sum(1) > 0  # words with tokens [B, W]
         for layer, layer_probs in probs.items():
-            words = _block_for_argmax(batch_word_attention(layer_probs.float(), membership), valid, self.causal)
-            predicted = torch.stack([_argmax(words, -1), _argmax(words, -2)])  # [2 directions, B, H, W]
-            correct = (predicted == gold[None, :, None]).transpose(-1, -2)[:, scored].float()  # [2, words, H]
-            per_relation = torch.zeros(2, relations, correct.shape[-1], device=device).index_add_(1, codes, correct)
-            columns = list(range(correct.shape[-1])) if heads is None else list(heads[layer])
-            self.present[layer, columns] = True
-            totals = correct.sum(1).double().cpu()
-            self.hits[layer, columns] += totals[0]
-            self.reverse_hits[layer, columns] += totals[1]
-            by_relation[:, :, layer, columns] += per_relation.double().cpu()
-        for code, relation in enumerate(targets.relations):
-            if relation not in self.by_relation:
-                continue  # no scored word of it yet (the root)
-            hits, words = self.by_relation[relation]
-            self.by_relation[relation] = (hits + by_relation[0, code], words)
-            self.reverse_by_relation[relation] = self.reverse_by_relation[relation] + by_relation[1, code]
+            membership = targets.membership.to(layer_probs.device)
+            self.add_layer(layer, batch_word_attention(layer_probs.float(), membership), targets, heads)
+
+    def count(self, targets: SyntaxTargets) -> bool:
+        """Count the scored words of one batch, once, before its layers' `add_layer`; False if it has none
+        (then there is nothing to add).
+
+        Example:
+            >>> from attnreg.syntax import Sentence, align_word_ids
+            >>> sentence = Sentence("s1", ("a", "b"), (2, 0), ("det", "root"), "a b")
+            >>> targets = SyntaxTargets.build([sentence], [align_word_ids([None, 0, 1, None], 2)], tokens=4)
+            >>> result = ParentAccuracy.empty(layers=1, heads=1)
+            >>> result.count(targets), result.words                        # the root is not scored
+            (True, 1)
+            >>> words = torch.tensor([[[[0.0, 0.9], [0.1, 0.0]]]])           # [B, H, W, W]: "a" attends to "b"
+            >>> result.add_layer(0, words, targets)
+            >>> result.accuracy
+            tensor([[1.]])
+        """
+        if int(targets.scored.sum()) == 0:
+            return False
+        self._count_words(targets)
+        return True
+
+    def add_layer(
+        self,
+        layer: int,
+        words: torch.Tensor,
+        targets: SyntaxTargets,
+        heads: Mapping[int, Sequence[int]] | None = None,
+    ) -> None:
+        """Add the predictions of one layer from its word attention `[B, H, W, W]` on the batch `count` took
+        (`batch_word_attention`, or `attnreg.analysis.blocks.block_word_attention` without the token maps)."""
+        device = words.device
+        gold, scored = targets.gold.to(device), targets.scored.to(device)
+        codes = targets.relation_ids[targets.scored].to(device)
+        valid = targets.membership.to(device).sum(1) > 0  # words with tokens [B, W]
+        blocked = _block_for_argmax(words.float().clone(), valid, self.causal)
+        predicted = torch.stack([_argmax(blocked, -1), _argmax(blocked, -2)])  # [2 directions, B, H, W]
+        correct = (predicted == gold[None, :, None]).transpose(-1, -2)[:, scored].float()  # [2, words, H]
+        relations = len(targets.relations)
+        per_relation = torch.zeros(2, relations, correct.shape[-1], device=device).index_add_(1, codes, correct)
+        per_relation = per_relation.double().cpu()
+        columns = list(range(correct.shape[-1])) if heads is None else list(heads[layer])
+        self.present[layer, columns] = True
+        totals = correct.sum(1).double().cpu()
+        self.hits[layer, columns] += totals[0]
+        self.reverse_hits[layer, columns] += totals[1]
+        for code in torch.unique(codes).tolist():
+            relation = targets.relations[code]
+            self.by_relation[relation][0][layer, columns] += per_relation[0, code]
+            self.reverse_by_relation[relation][layer, columns] += per_relation[1, code]
 
     def _count_words(self, targets: SyntaxTargets) -> None:
         scored = targets.scored

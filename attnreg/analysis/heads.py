@@ -1,10 +1,11 @@
 """Per-head attention statistics, and head roles read from them.
 
 Statistics are means over the real query rows of every sequence seen (Clark et al. 2019, Voita et al.
-2019): normalized entropy, attention mass on the start special token ([CLS]/BOS), on the end special
-token ([SEP]/EOS), on punctuation, on the query itself, on the previous and the next token, the mean
-attention distance in tokens, how often the row's argmax is the previous or the next token, and the
-mean norm of the head's output (its context vector through its slice of the output projection).
+2019): normalized entropy, attention mass on the start special token ([CLS]/BOS), on the sequence's first
+token whatever it is (the attention sink, Xiao et al. 2024), on the end special token ([SEP]/EOS), on
+punctuation, on the query itself, on the previous and the next token, the mean attention distance in
+tokens, how often the row's argmax is the previous or the next token, and the mean norm of the head's
+output (its context vector through its slice of the output projection).
 
 Roles (`head_roles`) are read from those statistics and, given gold trees, from parent accuracy; a head
 may have several labels and gets one primary role. Thresholds live in `RoleThresholds`.
@@ -34,12 +35,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from attnreg.losses import admissible_keys
+
 if TYPE_CHECKING:
     from attnreg.analysis.dependencies import ParentAccuracy
 
 ATTENTION_STATISTICS = (
     "entropy",
     "to_start",
+    "to_first",
     "to_end",
     "to_punctuation",
     "to_self",
@@ -146,14 +150,20 @@ def _is_punctuation(token: str) -> bool:
 # Statistics
 # ---------------------------------------------------------------------------------------------
 def attention_statistics(
-    probs: torch.Tensor, kinds: torch.Tensor, attention_mask: torch.Tensor | None = None, causal: bool = False
+    probs: torch.Tensor,
+    kinds: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    layer_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head sums of every statistic in `ATTENTION_STATISTICS` over one layer's batch, and row counts.
 
     `probs` is `[B, H, T, T]` (queries and keys are the same tokens), `kinds` the `[B, T, 3]` masks of
     `TokenKinds.masks`. Returns `(sums [H, K], rows [K])`: the mean of statistic k is sums[:, k] / rows[k].
     Rows are real query tokens; entropy rows need two admissible keys (it is divided by log of their
-    number); previous/next rows need a real neighbour there. The distance is in tokens.
+    number: those the layer's own mask `layer_mask` admits, sliding windows included, where given, else the
+    real tokens of `attention_mask`, see `attnreg.losses.admissible_keys`); previous/next rows need a real
+    neighbour there. The distance is in tokens; `to_first` is the mass on each sequence's first real token.
 
     Example:
         >>> previous = torch.diag(torch.ones(3), -1); previous[0, 0] = 1.0   # attends to the previous token
@@ -164,6 +174,8 @@ def attention_statistics(
         tensor([1.0000, 0.2500], dtype=torch.float64)
         >>> (sums / rows)[:, ATTENTION_STATISTICS.index("entropy")]
         tensor([0., 1.], dtype=torch.float64)
+        >>> (sums / rows)[:, ATTENTION_STATISTICS.index("to_first")]      # the sink: row 0, and a quarter of each
+        tensor([0.5000, 0.2500], dtype=torch.float64)
     """
     batch, heads, queries, keys = probs.shape
     if queries != keys:
@@ -172,9 +184,15 @@ def attention_statistics(
     real = torch.ones(batch, keys, dtype=torch.bool, device=probs.device)
     if attention_mask is not None:
         real = attention_mask.to(probs.device).bool()
-    admissible = real.long().cumsum(-1) if causal else real.long().sum(-1, keepdim=True).expand(batch, queries)
+    if layer_mask is not None and layer_mask.dim() == 4 and layer_mask.shape[1] > 1:
+        raise NotImplementedError(
+            f"layer_mask has one mask per head (shape {tuple(layer_mask.shape)}); the head statistics take one "
+            "mask for all heads"
+        )
+    _, admissible = admissible_keys(real, probs.shape, causal, layer_mask)
+    admissible = admissible[:, 0].to(probs.device)  # [B, T]
     entropy_rows = real & (admissible > 1)
-    entropy = torch.special.entr(probs).sum(-1) / admissible.clamp_min(2).float().log()[:, None]
+    entropy = torch.special.entr(probs).sum(-1) / admissible.clamp_min(2).log()[:, None]
     mass = probs @ kinds.to(probs.device, probs.dtype)[:, None]  # [B, H, T, 3]
     position = torch.arange(queries, device=probs.device)
     distance = torch.einsum("bhqk,qk->bhq", probs, (position[:, None] - position[None, :]).abs().float())
@@ -187,21 +205,52 @@ def attention_statistics(
     to_previous[..., 1:] = probs.diagonal(-1, -2, -1)
     to_next = torch.zeros_like(entropy)
     to_next[..., :-1] = probs.diagonal(1, -2, -1)
-    values = [
-        (entropy, entropy_rows),
-        (mass[..., 0], real),
-        (mass[..., 1], real),
-        (mass[..., 2], real),
-        (probs.diagonal(0, -2, -1), real),
-        (to_previous, previous_rows),
-        (to_next, next_rows),
-        (distance, real),
-        ((argmax == position - 1).float(), previous_rows),
-        ((argmax == position + 1).float(), next_rows),
-    ]
-    rows = torch.stack([rows for _, rows in values]).float()  # [K, B, T]
-    sums = torch.einsum("kbht,kbt->hk", torch.stack([value.float() for value, _ in values]), rows)
+    values = {
+        "entropy": (entropy, entropy_rows),
+        "to_start": (mass[..., 0], real),
+        "to_first": (_first_token_mass(probs, real), real),
+        "to_end": (mass[..., 1], real),
+        "to_punctuation": (mass[..., 2], real),
+        "to_self": (probs.diagonal(0, -2, -1), real),
+        "to_previous": (to_previous, previous_rows),
+        "to_next": (to_next, next_rows),
+        "distance": (distance, real),
+        "argmax_previous": ((argmax == position - 1).float(), previous_rows),
+        "argmax_next": ((argmax == position + 1).float(), next_rows),
+    }
+    ordered = [values[name] for name in ATTENTION_STATISTICS]
+    rows = torch.stack([rows for _, rows in ordered]).float()  # [K, B, T]
+    sums = torch.einsum("kbht,kbt->hk", torch.stack([value.float() for value, _ in ordered]), rows)
     return sums.double().cpu(), rows.sum((1, 2)).double().cpu()
+
+
+def first_token_attention(probs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean share of attention each head puts on its sequence's first real token (the attention sink,
+    Xiao et al. 2024), over the real query rows: `[H]` from `probs` `[B, H, T, S]` and the 2D padding mask
+    `attention_mask` `[B, S]` (None: every token is real). It is the `to_first` head statistic of one batch.
+
+    Example:
+        >>> probs = torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]]])   # one causal head
+        >>> first_token_attention(probs)                                        # (1 + 0.5 + 0.2) / 3
+        tensor([0.5667])
+        >>> left_padded = torch.tensor([[0, 1, 1]])                             # the first real token is 1
+        >>> first_token_attention(probs, left_padded)                           # (0.5 + 0.3) / 2
+        tensor([0.4000])
+    """
+    batch, _, queries, keys = probs.shape
+    real = torch.ones(batch, keys, dtype=torch.bool, device=probs.device)
+    if attention_mask is not None:
+        real = attention_mask.to(probs.device).bool()
+    rows = real[:, -queries:].float()
+    mass = _first_token_mass(probs.float(), real)
+    return (mass * rows[:, None]).sum((0, 2)) / rows.sum().clamp_min(1)
+
+
+def _first_token_mass(probs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """`[B, H, T]`: each row's probability on its sequence's first real key (`real` `[B, S]`)."""
+    first = real.long().argmax(-1)  # the first True; 0 for a sequence without real tokens (no rows either)
+    index = first[:, None, None, None].expand(-1, probs.shape[1], probs.shape[2], 1)
+    return probs.gather(-1, index).squeeze(-1)
 
 
 def head_output_norms(context: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
@@ -240,7 +289,7 @@ class HeadStatistics(Mapping[str, torch.Tensor]):
         >>> stats.to_dict()["to_self"]
         [[0.333333, 0.333333, 0.333333, 0.333333], [None, None, None, None]]
         >>> list(stats)[:3], len(stats), "entropy" in stats
-        (['entropy', 'to_start', 'to_end'], 11, True)
+        (['entropy', 'to_start', 'to_first'], 12, True)
     """
 
     sums: torch.Tensor
@@ -276,14 +325,32 @@ class HeadStatistics(Mapping[str, torch.Tensor]):
         attention_mask: torch.Tensor | None,
         causal: bool,
         heads: Mapping[int, Sequence[int]] | None = None,
+        layer_masks: Mapping[int, torch.Tensor | None] | None = None,
     ) -> None:
         """Add one batch: `probs[layer]` `[B, H, T, T]`, `kinds` `[B, T, 3]` (see `attention_statistics`).
-        `heads[layer]` gives the original numbers of the layer's current heads (default 0..H-1)."""
+        `heads[layer]` gives the original numbers of the layer's current heads (default 0..H-1);
+        `layer_masks[layer]` the mask the layer received (`AttentionRecord.attention_mask`), which tells the
+        keys entropy is normalized by (sliding windows)."""
         for layer, layer_probs in probs.items():
-            sums, rows = attention_statistics(layer_probs, kinds, attention_mask, causal)
-            columns = _columns(heads, layer, sums.shape[0])
-            self.sums[layer, columns, : len(ATTENTION_STATISTICS)] += sums
-            self.rows[layer, columns, : len(ATTENTION_STATISTICS)] += rows
+            layer_mask = None if layer_masks is None else layer_masks.get(layer)
+            self.add(layer, *attention_statistics(layer_probs, kinds, attention_mask, causal, layer_mask), heads)
+
+    def add(
+        self, layer: int, sums: torch.Tensor, rows: torch.Tensor, heads: Mapping[int, Sequence[int]] | None = None
+    ) -> None:
+        """Add one layer's sums `[H, K]` and row counts `[K]` of `ATTENTION_STATISTICS` (`attention_statistics`,
+        `attnreg.analysis.blocks.block_statistics`); `heads` as in `update`.
+
+        Example:
+            >>> stats = HeadStatistics.empty(layers=1, heads=2)
+            >>> probs = torch.full((1, 2, 3, 3), 1 / 3)                       # two uniform heads
+            >>> stats.add(0, *attention_statistics(probs, torch.zeros(1, 3, 3, dtype=torch.bool)))
+            >>> stats["to_first"]
+            tensor([[0.3333, 0.3333]])
+        """
+        columns = _columns(heads, layer, sums.shape[0])
+        self.sums[layer, columns, : len(ATTENTION_STATISTICS)] += sums
+        self.rows[layer, columns, : len(ATTENTION_STATISTICS)] += rows
 
     def update_output_norm(
         self, layer: int, norms: torch.Tensor, attention_mask: torch.Tensor | None, heads: Sequence[int] | None = None

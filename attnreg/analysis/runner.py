@@ -3,8 +3,13 @@
 Data is either a sequence of `Sentence`s with gold trees (tokenized here with character offsets, in
 batches of similar length so padding stays small; syntactic accuracy needs these) or any iterable of
 tokenized batches (dicts with `input_ids` and `attention_mask`, a DataLoader's): statistics and token
-similarity only. Attention of all layers is captured for one batch at a time, reduced to counts, and
-dropped: memory is about layers x batch x heads x tokens^2 floats, whatever the data size.
+similarity only. Two paths give the same figures:
+
+- materialized (short inputs): the attention of all layers is captured for one batch at a time, reduced to
+  counts, and dropped: memory is about layers x batch x heads x tokens^2 floats, whatever the data size;
+- blockwise (long inputs, `blockwise=True`, and by default above `BLOCKWISE_LENGTH` tokens): every layer
+  runs on SDPA and is reduced from its queries and keys, a block of query rows at a time, as soon as it has
+  run (`attnreg.analysis.blocks`): nothing of size tokens^2 is kept, and memory stays near the forward's own.
 
 Example:
     >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
@@ -36,16 +41,22 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pytorch_utils import Conv1D
 
+from attnreg.analysis.blocks import BLOCK_SIZE, layer_by_layer, reduce_layer
 from attnreg.analysis.dependencies import ParentAccuracy, SyntaxTargets
 from attnreg.analysis.heads import HeadRoles, HeadStatistics, RoleThresholds, TokenKinds, head_output_norms, head_roles
 from attnreg.analysis.representations import TokenSimilarity
 from attnreg.analysis.vocabulary import check_tokenizer
 from attnreg.heads import head_numbers, pruned_heads
-from attnreg.hub import AttentionHub, attach
+from attnreg.hub import AttentionHub, LayerInputs, attach
 from attnreg.syntax.align import align_offsets
 from attnreg.syntax.trees import Sentence
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+BLOCKWISE_LENGTH = 512
+"""`analyze(..., blockwise=None)` reduces batches longer than this many tokens from queries and keys in blocks,
+shorter ones from the materialized attention (small there: sentences; at 512 tokens SmolLM2-135M's attention
+already takes the process to 1.5x the forward's peak memory, `benchmarks/results/decoder_analysis/`)."""
 
 
 @dataclass
@@ -115,6 +126,8 @@ def analyze(
     statistics: bool = True,
     syntax: bool = True,
     similarity: bool = True,
+    blockwise: bool | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> Analysis:
     """Run `model` once over `data` and collect the analyses asked for.
 
@@ -122,8 +135,15 @@ def analyze(
     and truncated to `max_length` tokens; or tokenized batches (then `syntax` is skipped). `tokenizer`
     must be a fast tokenizer (character offsets) that can tokenize the sentences (`check_tokenizer`, else a
     `ValueError`); it also tells the special and punctuation tokens.
-    The model is attached to the hub and run in eval mode; its mode is restored. Pruned models work:
-    heads keep their original numbers and removed ones read NaN.
+    The model is attached to the hub and run in eval mode (without a key/value cache); its mode is restored.
+    Pruned models work: heads keep their original numbers and removed ones read NaN.
+
+    `blockwise`: True reduces every layer from its queries and keys, `block_size` query rows at a time,
+    as soon as it has run (no `[T, T]` map is kept: for long documents on decoders); False captures the
+    attention of all layers of a batch (`layers x B x H x T^2` floats, faster on short inputs); None (the
+    default) takes the blockwise path for batches longer than `BLOCKWISE_LENGTH` tokens. Both give the same
+    figures. `similarity` keeps the hidden states of every layer of a batch on either path: turn it off for
+    long documents.
 
     Example:
         >>> import torch
@@ -138,6 +158,10 @@ def analyze(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if blockwise not in (None, True, False):
+        raise TypeError(f"blockwise must be True, False or None (by length), got {blockwise!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     started = time.perf_counter()
     hub = attach(model)
     layers = hub.num_layers
@@ -161,6 +185,9 @@ def analyze(
         else _loader_batches(data)
     )
     device = next(model.parameters()).device
+    options = {"output_hidden_states": similarity}
+    if getattr(model.config, "use_cache", None) is not None:
+        options["use_cache"] = False  # a decoder's cache would keep every layer's keys and values
     was_training = model.training
     model.eval()
     try:
@@ -168,26 +195,68 @@ def analyze(
             for inputs, targets in batches:
                 inputs = {key: value.to(device) for key, value in inputs.items()}
                 mask = inputs["attention_mask"]
-                with hub.capture() as record:
-                    output = model(**inputs, output_hidden_states=similarity)
-                probs = {layer: record[layer] for layer in record}
+                token_kinds = kinds.masks(inputs["input_ids"], mask) if statistics else None
+                in_blocks = blockwise if blockwise is not None else inputs["input_ids"].shape[-1] > BLOCKWISE_LENGTH
+                if in_blocks:
+                    output = _blockwise_pass(
+                        model, hub, inputs, options, result, token_kinds, targets, heads, block_size
+                    )
+                else:
+                    with hub.capture() as record:
+                        output = model(**inputs, **options)
+                    probs = {layer: record[layer] for layer in record}
+                    if result.statistics is not None:
+                        if sinks := [layer for layer in record if record.has_sink(layer)]:
+                            raise NotImplementedError(
+                                f"layers {sinks} have sink logits in their softmax (gpt-oss): the head statistics do "
+                                "not count the sink's share yet, so they would be wrong (parent accuracy alone "
+                                "works: statistics=False); the training losses and the monitor's entropy count it"
+                            )
+                        layer_masks = {layer: record.attention_mask(layer) for layer in record}
+                        result.statistics.update(probs, token_kinds, mask, hub.family.causal, heads, layer_masks)
+                    if result.syntax is not None:
+                        result.syntax.update(probs, targets, heads)
+                    del probs, record
                 if result.statistics is not None:
-                    token_kinds = kinds.masks(inputs["input_ids"], mask)
-                    result.statistics.update(probs, token_kinds, mask, hub.family.causal, heads)
                     for layer, values in norms.items():
                         result.statistics.update_output_norm(layer, values, mask, heads[layer])
-                if result.syntax is not None:
-                    result.syntax.update(probs, targets, heads)
                 if result.similarity is not None:
                     result.similarity.update(output.hidden_states, mask)
                 result.sequences += mask.shape[0]
                 result.tokens += int(mask.sum())
-                del probs, record, output
+                del output
                 norms.clear()
     finally:
         model.train(was_training)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _blockwise_pass(
+    model: PreTrainedModel,
+    hub: AttentionHub,
+    inputs: dict[str, torch.Tensor],
+    options: dict[str, Any],
+    result: Analysis,
+    token_kinds: torch.Tensor | None,
+    targets: SyntaxTargets | None,
+    heads: Mapping[int, Sequence[int]],
+    block_size: int,
+) -> Any:
+    """One forward whose layers are reduced from their queries and keys as soon as each has run."""
+    mask = inputs["attention_mask"]
+    syntax = result.syntax is not None and result.syntax.count(targets)
+    membership = targets.membership if syntax else None
+
+    def reduce(layer: int, layer_inputs: LayerInputs) -> None:
+        sums, counts, words = reduce_layer(layer_inputs, token_kinds, mask, membership, block_size)
+        if sums is not None:
+            result.statistics.add(layer, sums, counts, heads)
+        if words is not None:
+            result.syntax.add_layer(layer, words, targets, heads)
+
+    with layer_by_layer(hub, reduce):
+        return model(**inputs, **options)
 
 
 def head_statistics(
@@ -196,8 +265,10 @@ def head_statistics(
     data: Sequence[Sentence] | Iterable[Mapping[str, Any]],
     batch_size: int = 32,
     max_length: int | None = 128,
+    blockwise: bool | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> HeadStatistics:
-    """Per-head statistics of `model` over `data` (see `analyze`).
+    """Per-head statistics of `model` over `data` (see `analyze`, and its `blockwise` for long documents).
 
     Example:
         >>> from attnreg.app.task import build_tokenizer
@@ -207,9 +278,24 @@ def head_statistics(
         >>> stats = head_statistics(tiny_model("bert", vocab=len(tokenizer)), tokenizer, loader)
         >>> stats["to_end"].shape          # [layers, heads]: attention on [SEP]
         torch.Size([2, 4])
+        >>> decoder = tiny_model("llama", vocab=len(tokenizer))
+        >>> long = [{"input_ids": torch.randint(4, len(tokenizer), (1, 600))}]   # a long document, say
+        >>> in_blocks = head_statistics(decoder, tokenizer, long, blockwise=True)   # never holds [T, T]
+        >>> materialized = head_statistics(decoder, tokenizer, long, blockwise=False)
+        >>> torch.allclose(in_blocks["to_first"], materialized["to_first"])     # the attention sink's share
+        True
     """
     return analyze(
-        model, tokenizer, data, batch_size, max_length, statistics=True, syntax=False, similarity=False
+        model,
+        tokenizer,
+        data,
+        batch_size,
+        max_length,
+        statistics=True,
+        syntax=False,
+        similarity=False,
+        blockwise=blockwise,
+        block_size=block_size,
     ).statistics
 
 
@@ -220,11 +306,15 @@ def parent_accuracy(
     batch_size: int = 32,
     max_length: int | None = 128,
     max_offset: int = 5,
+    blockwise: bool | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> ParentAccuracy:
     """Parent accuracy of every head of `model` over `sentences` with gold trees, both directions.
 
     Words cut by truncation, or without a token of their own, and words whose head is such a word,
     are not scored. The model is attached to the hub and run in eval mode (its mode is restored).
+    `blockwise`, `block_size`: as in `analyze` (the blockwise path holds one layer's word attention
+    `[B, H, W, W]` at a time, never token maps).
 
     Example:
         >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
@@ -241,7 +331,16 @@ def parent_accuracy(
     if _as_sentences(sentences) is None:
         raise TypeError("parent_accuracy needs Sentence objects with gold trees (read_conllu, parse_texts)")
     return analyze(
-        model, tokenizer, sentences, batch_size, max_length, max_offset, statistics=False, similarity=False
+        model,
+        tokenizer,
+        sentences,
+        batch_size,
+        max_length,
+        max_offset,
+        statistics=False,
+        similarity=False,
+        blockwise=blockwise,
+        block_size=block_size,
     ).syntax
 
 

@@ -18,6 +18,10 @@ roles, parent accuracy, the attention of one example) and `summary.md`. For inst
     attnreg-analyze ./minilm ../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu --out report --limit 500
     attnreg-analyze run.ckpt sentences.txt --base ./minilm --out report
 
+Inputs longer than `attnreg.analysis.BLOCKWISE_LENGTH` tokens (`--max-length` above it) are reduced from each
+layer's queries and keys in blocks of `--block-size` query rows, never building `[T, T]` attention;
+`--blockwise on` / `off` chooses for every batch (the figures are the same).
+
 The example runs `main` (it takes the command line's arguments) on a tiny random model and one tree.
 
 Example:
@@ -64,7 +68,16 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from attnreg.analysis import STATISTICS, Analysis, RoleThresholds, analyze, check_tokenizer, token_importance
+from attnreg.analysis import (
+    BLOCKWISE_LENGTH,
+    STATISTICS,
+    Analysis,
+    RoleThresholds,
+    analyze,
+    check_tokenizer,
+    token_importance,
+)
+from attnreg.analysis.blocks import BLOCK_SIZE
 from attnreg.hub import attach
 from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
 from attnreg.syntax.trees import Sentence, read_conllu
@@ -72,6 +85,7 @@ from attnreg.syntax.trees import Sentence, read_conllu
 SUMMARY_STATISTICS = (
     "entropy",
     "to_start",
+    "to_first",
     "to_end",
     "to_punctuation",
     "to_self",
@@ -489,6 +503,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, help="analyze only the first N sentences")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128, help="token limit per sentence")
+    parser.add_argument(
+        "--blockwise",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="reduce each layer from its queries and keys in blocks, never building [T, T] attention (on), capture "
+        "the attention of all layers (off), or blockwise for batches longer than "
+        f"{BLOCKWISE_LENGTH} tokens (auto, the default); the figures are the same",
+    )
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="query rows per block (blockwise)")
     parser.add_argument("--example", type=int, default=0, help="index of the sentence drawn as heatmaps")
     parser.add_argument("--table-min-words", type=int, default=20, help="relations in the table need this many words")
     parser.add_argument("--collapse-threshold", type=float, default=0.9, help="token cosine similarity flagged")
@@ -520,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.block_size < 1:
+        parser.error(f"--block-size must be >= 1, got {args.block_size}")
     try:
         model, tokenizer = load_model(args.model, args.base, args.tokenizer)
         sentences = load_sentences(args.data, args.data_format, args.limit)
@@ -533,7 +558,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.to(args.device)
     thresholds = RoleThresholds(**{name: getattr(args, name) for name in vars(RoleThresholds())})
     started = time.perf_counter()
-    analysis = analyze(model, tokenizer, sentences, batch_size=args.batch_size, max_length=args.max_length)
+    analysis = analyze(
+        model,
+        tokenizer,
+        sentences,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        blockwise={"auto": None, "on": True, "off": False}[args.blockwise],
+        block_size=args.block_size,
+    )
     meta = {"model": args.model, "data": str(args.data), "device": args.device, "threads": torch.get_num_threads()}
     out = write_report(
         analysis,

@@ -23,6 +23,7 @@ Example:
     torch.Size([2, 4])
     >>> [name for name in monitor.metrics if "head" not in name]
     ['attnreg/attention_monitor/entropy/layer0', 'attnreg/attention_monitor/entropy/layer1',
+     'attnreg/attention_monitor/first_token/layer0', 'attnreg/attention_monitor/first_token/layer1',
      'attnreg/attention_monitor/parent_accuracy/best', 'attnreg/attention_monitor/parent_accuracy/layer0',
      'attnreg/attention_monitor/parent_accuracy/layer1']
 """

@@ -4,6 +4,8 @@ Every `every_n_steps` optimizer steps `check` runs the model once more (eval mod
 current training batch, captures all layers and measures:
 
 - `<prefix>/entropy/layer<l>`: the layer's mean normalized entropy (and `/head<h>` per head);
+- `<prefix>/first_token/layer<l>`: the layer's mean share of attention on each sequence's first real token,
+  the attention sink (Xiao et al. 2024; and `/head<h>` per head);
 - with a small gold set: `<prefix>/parent_accuracy/layer<l>/head<h>` (dependent to head, word level,
   see `attnreg.analysis.parent_accuracy`), the layer's best `/layer<l>` and the overall `/best`.
 
@@ -35,6 +37,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from attnreg.analysis.heads import first_token_attention
 from attnreg.analysis.runner import MODEL_INPUTS, parent_accuracy
 from attnreg.heads import head_numbers, pruned_heads
 from attnreg.losses import attention_entropy
@@ -70,8 +73,9 @@ class MonitorCheck:
         >>> monitor = AttentionMonitor(every_n_steps=10, log_heads=False)
         >>> monitor.bind(tiny_model("gpt2"))
         >>> check = monitor.check({"input_ids": torch.tensor([[5, 6, 7, 8]])}, step=10)
-        >>> sorted(check.metrics), list(check.probs), check.stop
-        (['attnreg/attention_monitor/entropy/layer0', 'attnreg/attention_monitor/entropy/layer1'], [0, 1], False)
+        >>> sorted(check.metrics)[:3], list(check.probs), check.stop, check.first_token.shape
+        (['attnreg/attention_monitor/entropy/layer0', 'attnreg/attention_monitor/entropy/layer1',
+          'attnreg/attention_monitor/first_token/layer0'], [0, 1], False, torch.Size([2, 4]))
     """
 
     metrics: dict[str, float]
@@ -79,10 +83,12 @@ class MonitorCheck:
     probs: Mapping[int, torch.Tensor]
     mask: torch.Tensor | None
     stop: bool
+    first_token: torch.Tensor | None = None
 
 
 class AttentionMonitor(Method):
-    """Per-head attention entropy (and parent accuracy on a gold set) every N steps; flags collapse.
+    """Per-head attention entropy, attention on the first token (and parent accuracy on a gold set) every N
+    steps; flags collapse.
 
     Args:
         every_n_steps: check after every this many optimizer steps (and never twice for one step).
@@ -94,8 +100,9 @@ class AttentionMonitor(Method):
         heatmaps: draw attention heatmaps where the adapter can (TensorBoard in Lightning).
         max_length: token limit for the gold sentences.
 
-    After each check, `entropy` holds `[layers, heads]`, `metrics` what was logged, and `collapses`
-    lists every `(step, layer, entropy)` flagged so far.
+    After each check, `entropy` and `first_token` (the share of attention on the first token) hold
+    `[layers, heads]`, `metrics` what was logged, and `collapses` lists every `(step, layer, entropy)`
+    flagged so far.
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -144,6 +151,7 @@ class AttentionMonitor(Method):
         self.max_length = max_length
         self.prefix = prefix
         self.entropy: torch.Tensor | None = None
+        self.first_token: torch.Tensor | None = None
         self.metrics: dict[str, float] = {}
         self.collapses: list[tuple[int, int, float]] = []
         self._last_step = -1
@@ -203,24 +211,32 @@ class AttentionMonitor(Method):
             removed = pruned_heads(model)
             width = max(len(numbers[layer]) + len(removed.get(layer, ())) for layer in numbers)
             entropy = torch.full((hub.num_layers, width), torch.nan)  # pruned heads stay NaN
+            first_token = torch.full((hub.num_layers, width), torch.nan)
             for layer in probs:
                 values = attention_entropy(
-                    probs[layer], mask, hub.family.causal, True, layer_mask=probs.attention_mask(layer)
+                    probs[layer], mask, hub.family.causal, True, probs.attention_mask(layer), probs.has_sink(layer)
                 )
                 entropy[layer, numbers[layer]] = values.float().cpu()
+                first_token[layer, numbers[layer]] = first_token_attention(probs[layer], mask).cpu()
             metrics = self._entropy_metrics(entropy)
+            metrics.update(self._layer_metrics("first_token", first_token))
             if self.gold_sentences:
                 accuracy = parent_accuracy(model, self.tokenizer, self.gold_sentences, max_length=self.max_length)
                 metrics.update(self._accuracy_metrics(accuracy.accuracy))
         finally:
             model.train(was_training)
-        self.entropy, self.metrics = entropy, metrics
-        return MonitorCheck(metrics, entropy, dict(probs.items()), mask, self._flag_collapse(entropy, step))
+        self.entropy, self.first_token, self.metrics = entropy, first_token, metrics
+        stop = self._flag_collapse(entropy, step)
+        return MonitorCheck(metrics, entropy, dict(probs.items()), mask, stop, first_token)
 
     def _entropy_metrics(self, entropy: torch.Tensor) -> dict[str, float]:
-        name = f"{self.prefix}/entropy"
+        return self._layer_metrics("entropy", entropy)
+
+    def _layer_metrics(self, kind: str, values_per_layer: torch.Tensor) -> dict[str, float]:
+        """`<prefix>/<kind>/layer<l>`: the mean over the layer's heads (and each head with `log_heads`)."""
+        name = f"{self.prefix}/{kind}"
         metrics = {}
-        for layer, values in enumerate(entropy):
+        for layer, values in enumerate(values_per_layer):
             if not values.isnan().all():
                 metrics[f"{name}/layer{layer}"] = float(values.nanmean())
                 metrics.update(self._per_head(f"{name}/layer{layer}", values))
