@@ -69,6 +69,7 @@ from transformers import (
 )
 
 from attnreg.analysis import (
+    ATTENTION_STATISTICS,
     BLOCKWISE_LENGTH,
     STATISTICS,
     Analysis,
@@ -82,17 +83,7 @@ from attnreg.hub import attach
 from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
 from attnreg.syntax.trees import Sentence, read_conllu
 
-SUMMARY_STATISTICS = (
-    "entropy",
-    "to_start",
-    "to_first",
-    "to_end",
-    "to_punctuation",
-    "to_self",
-    "to_previous",
-    "to_next",
-    "distance",
-)
+SUMMARY_STATISTICS = tuple(name for name in ATTENTION_STATISTICS if not name.startswith("argmax"))  # the report table
 
 
 TOKENIZER_FILES = (
