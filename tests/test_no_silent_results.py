@@ -377,3 +377,29 @@ def test_a_resumed_run_repeats_the_schedules_and_state_of_the_uninterrupted_run(
     for key, value in whole["state"].items():
         assert torch.equal(resumed["restored"][key], value), key  # gates included
     torch.testing.assert_close(resumed["restored_optimizer"]["state"], whole["optimizer"]["state"], rtol=0, atol=0)
+
+
+# -- issue 38 -------------------------------------------------------------------------------------------
+def test_the_app_finishes_and_reports_a_run_that_empties_a_layer(tmp_path):
+    """38.5: `keep=4` on the default model (2 layers x 4 heads) empties a layer; the summary crashed on it."""
+    from hydra import compose, initialize_config_dir
+
+    from attnreg.app.configs import CONFIG_DIR, register_resolvers
+    from attnreg.app.summary import format_summary
+    from attnreg.app.train import train
+    from attnreg.heads import head_numbers
+    from attnreg.methods.pruning import load_pruned
+
+    register_resolvers()
+    overrides = ["attnreg=[syntax_prior_kl,head_gating]", "attnreg.head_gating.removal.keep=4", "~logger"]
+    small = ["data.train=64", "data.val=32", "data.test=32", "data.hard=32", "trainer.max_epochs=1"]
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", [*overrides, *small, "trainer.enable_progress_bar=false"])
+    summary = train(cfg, tmp_path)
+    emptied = [layer for layer, left in enumerate(summary["pruning"]["heads_left"]) if left == 0]
+    assert emptied and sum(summary["pruning"]["heads_left"]) == 4
+    assert all((value is None) == (layer in emptied) for layer, value in enumerate(summary["entropy"]))
+    assert (tmp_path / "summary.json").is_file()
+    pruned = load_pruned(tmp_path / "pruned_model")
+    assert [len(head_numbers(pruned, layer)) for layer in range(2)] == summary["pruning"]["heads_left"]
+    assert "removed" in format_summary(summary).splitlines()[3]  # the entropy line names the emptied layer

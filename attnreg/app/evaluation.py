@@ -60,29 +60,35 @@ def accuracy(model: PreTrainedModel, loader: DataLoader) -> float:
 
 
 @torch.no_grad()
-def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int = 4) -> list[float]:
-    """Normalized attention entropy per layer (mean over heads and rows; 1 = uniform) on `loader`.
+def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int = 4) -> list[float | None]:
+    """Normalized attention entropy per layer (mean over heads and rows; 1 = uniform) on `loader`; None for a
+    layer that pruning emptied (it has no attention left).
 
     Example:
         >>> from attnreg.app.datamodules import AgreementDataModule
+        >>> from attnreg.methods.pruning import prune_heads
         >>> from attnreg.tiny import tiny_model
         >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0); data.setup("fit")
         >>> model = tiny_model("bert", head="classification", vocab=len(data.tokenizer))
         >>> [round(value, 3) for value in layer_entropy(model, data.loader("val"), max_batches=1)]
         [1.0, 1.0]
+        >>> report = prune_heads(model, {1: [0, 1, 2, 3]})                   # layer 1 loses all its heads
+        >>> [value if value is None else round(value, 3) for value in layer_entropy(model, data.loader("val"))]
+        [1.0, None]
     """
     hub = attach(model)
     inputs = _input_names(model)
+    layers = [layer for layer in range(hub.num_layers) if head_numbers(model, layer)]  # emptied layers: None
     totals = torch.zeros(hub.num_layers)
     batches = 0
     was_training = model.training
     model.eval()
     try:
-        with hub.capture() as probs:
+        with hub.capture(layers=layers) as probs:
             for batch in loader:
                 model(**{k: v.to(model.device) for k, v in batch.items() if k in inputs and k != "labels"})
                 mask = batch["attention_mask"].to(model.device)
-                for layer in range(hub.num_layers):
+                for layer in layers:
                     layer_mask, sink = probs.attention_mask(layer), probs.has_sink(layer)  # gpt-oss: one more outcome
                     entropy = attention_entropy(probs[layer], mask, hub.family.causal, True, layer_mask, sink)
                     totals[layer] += float(entropy.mean())
@@ -91,7 +97,8 @@ def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int =
                     break
     finally:
         model.train(was_training)
-    return (totals / max(batches, 1)).tolist()
+    means = (totals / max(batches, 1)).tolist()
+    return [means[layer] if layer in layers else None for layer in range(hub.num_layers)]
 
 
 def pruning_report(model: PreTrainedModel) -> dict[str, Any] | None:

@@ -128,7 +128,7 @@ def summarize(
         "train_seconds": round(seconds, 1),
         "accuracy": {name: round(accuracy(model, loader), 4) for name, loader in eval_sets.items()},
         "metrics": {key: round(float(value), 4) for key, value in trainer.callback_metrics.items()},
-        "entropy": [round(value, 4) for value in layer_entropy(model, eval_sets["val"])],
+        "entropy": [None if value is None else round(value, 4) for value in layer_entropy(model, eval_sets["val"])],
         "parent_accuracy": None,
         "pruning": pruning_report(model),
         "prior_arcs": prior_arcs(data),
@@ -193,7 +193,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"attnreg-train: {setting}, seed {summary['seed']}, {summary['steps']} steps in {summary['train_seconds']} s",
         "callbacks: " + (", ".join(f"{n} ({t})" for n, t in summary["attnreg"].items()) or "none"),
         "accuracy: " + ", ".join(f"{name} {value:.3f}" for name, value in summary["accuracy"].items()),
-        "attention entropy per layer (normalized): " + ", ".join(f"{value:.3f}" for value in summary["entropy"]),
+        "attention entropy per layer (normalized): " + ", ".join(_fraction(value) for value in summary["entropy"]),
     ]
     if "hard" in summary["accuracy"]:
         lines[2] += "  (test: 0-1 distractor verbs as in training; hard: 2)"
