@@ -403,3 +403,48 @@ def test_the_app_finishes_and_reports_a_run_that_empties_a_layer(tmp_path):
     pruned = load_pruned(tmp_path / "pruned_model")
     assert [len(head_numbers(pruned, layer)) for layer in range(2)] == summary["pruning"]["heads_left"]
     assert "removed" in format_summary(summary).splitlines()[3]  # the entropy line names the emptied layer
+
+
+def test_analyze_refuses_a_checkpoint_that_would_run_code_unless_trusted(tmp_path):
+    """38.6: a shared .ckpt is read with weights_only=True; one holding more is refused, --trust-checkpoint loads it."""
+    from pathlib import Path
+
+    from attnreg.app.analyze import main
+    from attnreg.app.task import build_tokenizer, vocabulary
+
+    tokenizer = build_tokenizer(vocabulary())
+    tiny_model("bert", vocab=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    words = [("the", 2, "det"), ("dogs", 3, "nsubj"), ("bark", 0, "root")]
+    rows = [f"{i}\t{word}\t_\t_\t_\t_\t{head}\t{rel}\t_\t_" for i, (word, head, rel) in enumerate(words, 1)]
+    (tmp_path / "dev.conllu").write_text("# text = the dogs bark\n" + "\n".join(rows) + "\n\n")
+    classifier = tiny_model("bert", head="classification", vocab=len(tokenizer))
+    state = {f"model.{key}": value for key, value in classifier.state_dict().items()}
+    ran = tmp_path / "code-ran"
+
+    class Payload:  # what a malicious checkpoint carries: unpickling it calls Path.touch(ran)
+        def __reduce__(self):
+            return Path.touch, (ran,)
+
+    torch.save({"state_dict": state, "hyper_parameters": {"lr": 1e-3, "payload": Payload()}}, tmp_path / "run.ckpt")
+    args = [str(tmp_path / "run.ckpt"), str(tmp_path / "dev.conllu"), "--base", str(tmp_path / "base"), "--no-plots"]
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--out", str(tmp_path / "refused")])
+    assert stop.value.code == 2 and not ran.exists()
+    assert main([*args, "--out", str(tmp_path / "trusted"), "--trust-checkpoint"]) == 0 and ran.exists()
+    torch.save({"state_dict": state, "hyper_parameters": {"lr": 1e-3, "dir": tmp_path}}, tmp_path / "plain.ckpt")
+    assert main([str(tmp_path / "plain.ckpt"), *args[1:], "--out", str(tmp_path / "plain")]) == 0  # a path is fine
+
+
+def test_the_refusal_of_an_unsafe_checkpoint_names_what_it_holds_and_the_opt_in(tmp_path):
+    from pathlib import Path
+
+    from attnreg.app.analyze import InputError, _from_checkpoint
+
+    torch.save(
+        {"state_dict": {}, "hyper_parameters": {"when": __import__("datetime").date(2026, 1, 1)}}, tmp_path / "a.ckpt"
+    )
+    with pytest.raises(
+        InputError, match=r"a.ckpt holds more than weights and plain data \(datetime.date\).*--trust-checkpoint"
+    ):
+        _from_checkpoint(Path(tmp_path / "a.ckpt"), "unused")

@@ -53,12 +53,15 @@ import argparse
 import csv
 import json
 import math
+import pathlib
+import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -97,6 +100,10 @@ TOKENIZER_FILES = (
 )
 """Files of which a tokenizer directory has at least one."""
 
+SAFE_CHECKPOINT_TYPES = (pathlib.PosixPath, pathlib.WindowsPath, AttributeDict)
+"""What a Lightning checkpoint may hold beyond tensors and plain data and still load with `weights_only=True`
+(a path or Lightning's hyperparameter dict among the hyperparameters); anything else needs --trust-checkpoint."""
+
 
 class InputError(ValueError):
     """A model or data argument that cannot be used, with the reason.
@@ -116,9 +123,12 @@ class InputError(ValueError):
 # Loading
 # ---------------------------------------------------------------------------------------------
 def load_model(
-    spec: str, base: str | None = None, tokenizer: str | None = None
+    spec: str, base: str | None = None, tokenizer: str | None = None, trust_checkpoint: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, fast tokenizer) from a directory, a `.ckpt` (with `base`) or a hub name.
+
+    A `.ckpt` is read with `torch.load(weights_only=True)`: tensors, plain data and `SAFE_CHECKPOINT_TYPES`;
+    one holding anything else is refused unless `trust_checkpoint` (unpickling it can run code from the file).
 
     Example:
         >>> import tempfile
@@ -151,7 +161,7 @@ def load_model(
                 f"{spec} is a Lightning checkpoint: give --base, the model directory (or name) it was fine-tuned "
                 "from, so the architecture can be rebuilt"
             )
-        model = _from_checkpoint(path, base)
+        model = _from_checkpoint(path, base, trust_checkpoint)
         source = tokenizer or base
     elif path.is_dir():
         if not (path / "config.json").is_file():
@@ -192,9 +202,9 @@ def _tokenizer(source: str) -> PreTrainedTokenizerBase:
     return loaded
 
 
-def _from_checkpoint(path: Path, base: str) -> PreTrainedModel:
+def _from_checkpoint(path: Path, base: str, trust: bool = False) -> PreTrainedModel:
     """A `SequenceClassifier` checkpoint's model: rebuilt from `base`'s config, pruning re-applied, weights loaded."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = _load_checkpoint(path, trust)
     if "state_dict" not in checkpoint:
         raise InputError(f"{path} has no state_dict: not a Lightning checkpoint")
     state = {key[len("model.") :]: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.")}
@@ -219,6 +229,23 @@ def _from_checkpoint(path: Path, base: str) -> PreTrainedModel:
             f"{path} does not match {base}: missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
         )
     return model
+
+
+def _load_checkpoint(path: Path, trust: bool) -> dict[str, Any]:
+    """`torch.load` with weights only (tensors, plain data, `SAFE_CHECKPOINT_TYPES`) unless `trust`; an
+    InputError names what else the file holds."""
+    if trust:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(list(SAFE_CHECKPOINT_TYPES)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        raise InputError(
+            f"{path} holds more than weights and plain data ({', '.join(unsafe[:5]) or str(error).splitlines()[0]}); "
+            "loading it would run code from the file, so it is refused. If you trust who made it, pass "
+            "--trust-checkpoint"
+        ) from error
 
 
 def load_sentences(path: str | Path, data_format: str = "auto", limit: int | None = None) -> list[Sentence]:
@@ -489,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("data", help="CoNLL-U file (.conllu, .conllu.gz) or text file with one sentence per line")
     parser.add_argument("--out", default="attnreg-report", help="report folder (created)")
     parser.add_argument("--base", help="for a .ckpt: the model directory or name it was fine-tuned from")
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="for a .ckpt holding more than weights and plain data: unpickle it anyway (it can run code; only "
+        "for a file you trust)",
+    )
     parser.add_argument("--tokenizer", help="tokenizer directory or name (default: the model's)")
     parser.add_argument("--format", choices=["auto", "conllu", "text"], default="auto", dest="data_format")
     parser.add_argument("--limit", type=int, help="analyze only the first N sentences")
@@ -537,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.block_size < 1:
         parser.error(f"--block-size must be >= 1, got {args.block_size}")
     try:
-        model, tokenizer = load_model(args.model, args.base, args.tokenizer)
+        model, tokenizer = load_model(args.model, args.base, args.tokenizer, args.trust_checkpoint)
         sentences = load_sentences(args.data, args.data_format, args.limit)
         _check_tokenizer(tokenizer, sentences)
     except InputError as error:
