@@ -18,6 +18,7 @@ Example:
 """
 
 import importlib
+import sys
 import warnings
 
 from attnreg import analysis, methods, schedules, syntax
@@ -74,15 +75,38 @@ MOVED = {
     "pruning": "attnreg.methods.pruning",
     "optim": "attnreg.methods.layerwise_lr",
     "distill": "attnreg.methods.distillation",
+    "configs": "attnreg.app.configs",
 }
-"""Modules that moved into their method's folder; the old attribute still works for one release, with a warning."""
+"""Modules that moved: `attnreg.<old>` still works for one release in every form (`import attnreg.pruning`,
+`from attnreg.pruning import save_pruned`, the attribute, Hydra's `pkg://attnreg.configs`), with a FutureWarning
+(shown by Python's default filters) naming the new place: each old name is a module of two lines calling `moved`."""
+
+
+def moved(old: str) -> None:
+    """Warn (FutureWarning) that module `old` (`attnreg.<name>`) moved; make it the new module (`sys.modules[old]`).
+
+    Example:
+        >>> import sys, warnings, attnreg
+        >>> _ = sys.modules.pop("attnreg.optim", None)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     from attnreg.optim import layerwise_param_groups     # runs attnreg/optim.py: moved(__name__)
+        >>> print(caught[0].category.__name__, caught[0].message)
+        FutureWarning attnreg.optim is deprecated: use attnreg.methods.layerwise_lr (the same module)
+        >>> sys.modules["attnreg.optim"] is attnreg.methods.layerwise_lr
+        True
+    """
+    new = MOVED[old.removeprefix("attnreg.")]
+    warnings.warn(f"{old} is deprecated: use {new} (the same module)", FutureWarning, stacklevel=3)
+    sys.modules[old] = importlib.import_module(new)
 
 
 def __getattr__(name: str):
-    """`attnreg.pruning` and the other moved modules, with a `DeprecationWarning` naming the new place.
+    """`attnreg.pruning` and the other moved modules (`MOVED`), with a FutureWarning naming the new place.
 
     Example:
-        >>> import warnings, attnreg
+        >>> import sys, warnings, attnreg
+        >>> _ = sys.modules.pop("attnreg.pruning", None); vars(attnreg).pop("pruning", None) and None
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     pruning = attnreg.pruning
@@ -90,8 +114,5 @@ def __getattr__(name: str):
         (True, 'attnreg.pruning is deprecated: use attnreg.methods.pruning (the same module)')
     """
     if name in MOVED:
-        warnings.warn(
-            f"attnreg.{name} is deprecated: use {MOVED[name]} (the same module)", DeprecationWarning, stacklevel=2
-        )
-        return importlib.import_module(MOVED[name])
+        return importlib.import_module(f"attnreg.{name}")  # the module `attnreg/<name>.py` warns and redirects
     raise AttributeError(f"module 'attnreg' has no attribute {name!r}")

@@ -40,7 +40,8 @@ RENAMED_CONFIGS = {
 
 
 def warn_renamed(choices: Mapping[str, Any]) -> list[str]:
-    """Warn (`DeprecationWarning`) for each renamed config chosen in the `attnreg` group; returns the old names.
+    """Warn (a `FutureWarning`: Python's default filters hide a `DeprecationWarning` raised outside `__main__`)
+    for each renamed config chosen in the `attnreg` group; returns the old names.
 
     Example:
         >>> import warnings
@@ -57,7 +58,7 @@ def warn_renamed(choices: Mapping[str, Any]) -> list[str]:
         warnings.warn(
             f"attnreg={name} is deprecated: use attnreg={RENAMED_CONFIGS[name]} (the same config under the method's "
             "name)",
-            DeprecationWarning,
+            FutureWarning,
             stacklevel=2,
         )
     return old
