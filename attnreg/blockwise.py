@@ -65,7 +65,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from attnreg.hub import LayerInputs
-from attnreg.losses import HeadReduction, causal_prior, check_prior, kl_from_cross_entropy, mean_row_entropy
+from attnreg.losses import (
+    HeadReduction,
+    check_prior,
+    kl_from_cross_entropy,
+    mean_row_entropy,
+    reachable_prior,
+)
 
 BLOCK_SIZE = 128
 
@@ -211,7 +217,8 @@ def prior_kl(
     block_size: int = BLOCK_SIZE,
     check_values: bool = True,
 ) -> torch.Tensor:
-    """`attnreg.losses.prior_kl` (same arguments and checks) of the layer `inputs` describe.
+    """`attnreg.losses.prior_kl` (same arguments and checks) of the layer `inputs` describe; prior rows outside the
+    keys the layer's own mask admits (a sliding window) are left out, as `prior_kl(..., layer_mask=)` leaves them.
 
     Example:
         >>> import attnreg
@@ -227,8 +234,7 @@ def prior_kl(
         raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
     query, key = inputs.query, inputs.key
     check_prior(prior, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), heads, values=check_values)
-    if causal:
-        prior = causal_prior(prior, key.shape[2])
+    prior = reachable_prior(prior, inputs.attention_mask, causal, key.shape[2])[0]  # a window's keys only
     cross_entropy = prior_cross_entropy(
         query,
         key,

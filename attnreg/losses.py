@@ -144,9 +144,12 @@ def attention_entropy(
     With `normalize=True` each row's entropy is divided by log(number of admissible keys), so rows
     and sequences of different lengths compare (1 = uniform, 0 = one key); rows with a single
     admissible key are left out then. The admissible keys are those the layer's own mask admits where
-    `layer_mask` is given (`AttentionRecord.attention_mask(layer)`: sliding windows count), else the real
-    tokens of `attention_mask` (see `admissible_keys`). With `sink=True` (gpt-oss: `AttentionRecord.has_sink`)
-    the sink is one more outcome (`row_entropy`) and one more key in the normalisation.
+    `layer_mask` is given (`AttentionRecord.attention_mask(layer)`: sliding windows count); without it they are
+    read off `probs`: the keys some head of the row gives a probability above 0 (a masked key reads exactly 0 in
+    every head, so a sliding window or padding counts), and causality. A key that every head ignores so completely
+    that its probability underflows to 0 counts as masked then (its entropy term is 0 either way); pass
+    `layer_mask` to count by the mask (see `admissible_keys`). With `sink=True` (gpt-oss:
+    `AttentionRecord.has_sink`) the sink is one more outcome (`row_entropy`) and one more key in the normalisation.
 
     Example:
         >>> probs = torch.tensor([[[[0.5, 0.5], [0.5, 0.5]], [[1.0, 0.0], [0.0, 1.0]]]])  # [1, 2, 2, 2]
@@ -155,8 +158,10 @@ def attention_entropy(
         >>> window = torch.tensor([[[[True, True, False], [False, True, True], [False, True, True]]]])
         >>> uniform = window / window.sum(-1, keepdim=True)              # uniform over the 2 keys each row admits
         >>> attention_entropy(uniform, normalize=True), attention_entropy(uniform, normalize=True, layer_mask=window)
-        (tensor([0.6309]), tensor([1.]))
+        (tensor([1.]), tensor([1.]))
     """
+    if normalize and layer_mask is None:  # the keys the softmax admitted: those some head gives a share
+        layer_mask = probs.detach().amax(1, keepdim=True) > 0
     return mean_row_entropy(
         row_entropy(probs, sink), attention_mask, probs.shape[-1], causal, normalize, layer_mask, sink
     )
@@ -319,6 +324,7 @@ def prior_kl(
     reduction: HeadReduction = "mean_heads",
     causal: bool = False,
     check_values: bool = True,
+    layer_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL(prior ‖ attention) per query row, averaged over rows that have prior mass.
 
@@ -327,7 +333,9 @@ def prior_kl(
     that is neither raises, naming the first bad row (see `check_prior`).
     `heads` picks the supervised heads (None = all). `reduction`: "mean_heads" averages the per-head
     KLs; "mean_attention" takes the KL of the head-averaged attention. With `causal=True` the prior
-    is first restricted to keys at or before each query (see `causal_prior`). `check_values=False` skips
+    is first restricted to keys at or before each query (see `causal_prior`); with `layer_mask` (the layer's own SDPA
+    mask, `AttentionRecord.attention_mask(layer)`) to the keys it admits, a sliding window's: rows whose prior lies
+    outside are left out, as rows a causal model cannot reach are (`reachable_prior`). `check_values=False` skips
     the prior's value checks (`check_prior(..., values=False)`), for a prior already checked. Zero prior entries
     contribute 0, and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
 
@@ -341,7 +349,9 @@ def prior_kl(
     if reduction not in ("mean_heads", "mean_attention"):
         raise ValueError(f"reduction must be 'mean_heads' or 'mean_attention', got {reduction!r}")
     check_prior(prior, probs.shape, heads, values=check_values)
-    if causal:
+    if layer_mask is not None:
+        prior = reachable_prior(prior, layer_mask, causal, probs.shape[-1])[0]
+    elif causal:
         prior = causal_prior(prior, probs.shape[-1])
     if heads is not None:
         probs = probs[:, list(heads)]
@@ -373,6 +383,44 @@ def kl_from_cross_entropy(cross_entropy: torch.Tensor, prior: torch.Tensor) -> t
         per_row = cross_entropy - torch.special.entr(prior).sum(-1)[:, None]  # 0 log 0 = 0
     weights = rows[:, None, :].to(per_row.dtype).expand_as(per_row)
     return (per_row * weights).sum() / weights.sum().clamp_min(1)
+
+
+def reachable_prior(
+    prior: torch.Tensor, layer_mask: torch.Tensor | None, causal: bool = False, keys: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`prior` restricted to the keys the layer can attend to, the number of prior rows its mask left out).
+
+    `causal` first restricts to earlier keys (`causal_prior`; `keys`: S, as there); then `layer_mask`, the SDPA
+    mask the layer received (`LayerInputs.attention_mask`, `AttentionRecord.attention_mask(layer)`: boolean, True =
+    attend, or additive float; broadcastable to `[B, H, T, S]`, a longer key axis cut at S; one per head: the keys
+    every head admits), restricts it to the keys that mask admits, a sliding window's: key indices outside become
+    -1, dense rows lose those keys and are renormalized, as `causal_prior` does. The count `[]` (int64, on the
+    prior's device, no synchronization) is of rows with prior mass that only the mask left out, beyond causality: a
+    row outside the window would otherwise read the clamp, -log(1e-12) = 27.6, with no gradient.
+
+    Example:
+        >>> window = torch.ones(4, 4, dtype=torch.bool).tril().triu(-1)[None, None]   # itself and the one before
+        >>> reachable_prior(torch.tensor([[-1, 0, 0, 2]]), window, causal=True)      # query 2's parent is 2 back
+        (tensor([[-1,  0, -1,  2]]), tensor(1))
+    """
+    batch, queries = prior.shape[:2]
+    keys = prior.shape[2] if prior.dim() == 3 else keys if keys is not None else queries
+    if causal:
+        prior = causal_prior(prior, keys)
+    if layer_mask is None:
+        return prior, torch.zeros((), dtype=torch.long, device=prior.device)
+    mask = layer_mask.reshape((1,) * (4 - layer_mask.dim()) + tuple(layer_mask.shape))[..., :keys]
+    admitted = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    admitted = admitted.all(1).to(prior.device).expand(batch, queries, admitted.shape[-1])  # [B, T, S]
+    if prior.dim() == 2:
+        inside = admitted.gather(-1, prior.clamp_min(0)[..., None]).squeeze(-1)
+        left_out = (prior >= 0) & ~inside
+        return prior.masked_fill(left_out, -1), left_out.sum()
+    rows = prior.sum(-1) > 0
+    prior = prior * admitted
+    totals = prior.sum(-1, keepdim=True)
+    restricted = torch.where(totals > 0, prior / totals.clamp_min(_TINY), torch.zeros_like(prior))
+    return restricted, (rows & (totals.squeeze(-1) <= 0)).sum()
 
 
 def causal_prior(prior: torch.Tensor, keys: int | None = None) -> torch.Tensor:

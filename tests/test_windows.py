@@ -3,6 +3,7 @@ ModernBERT's bidirectional window of 2 either side) a uniform head reads 1.0 on 
 the materialized path, in a forward pass and on the decoding steps of `generate`; elsewhere both paths agree."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -132,3 +133,85 @@ def test_a_uniform_head_reads_one_on_decoding_steps(name):
                 assert int(counts) == (WINDOW if sliding else keys)
                 assert math.isclose(float(normalized[0, 0, 0]), 1.0, abs_tol=1e-5)
     assert steps == 3 * hub.num_layers
+
+
+def window_prior(padding: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Parents `[B, T]` drawn anywhere in each real row (so several fall outside a window of 4), -1 on padding."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = padding.sum(-1)
+    parents = torch.stack([torch.randint(0, int(n), (padding.shape[1],), generator=generator) for n in lengths])
+    return parents.masked_fill(padding == 0, -1)
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_syntax_prior_leaves_out_rows_outside_a_window(name):
+    """The KL of a windowed layer is over the rows whose parent its mask admits (a hand computation on the eager
+    probabilities), in value and gradient, blockwise and materialized; the rows left out are said once per layer."""
+    model = build(name)
+    hub = attnreg.attach(model)
+    causal = hub.family.causal
+    batch = padded_batch()
+    prior = window_prior(batch["attention_mask"])
+    batch["attnreg_prior"] = prior
+    heads = [1]
+
+    with hub.capture() as probs:  # the reference: eager probabilities, rows kept by hand
+        model(**batch)
+    expected, masks, outside = {}, {}, 0
+    for layer in range(hub.num_layers):
+        mask = probs.attention_mask(layer)
+        masks[layer] = mask
+        admitted = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] > torch.finfo(mask.dtype).min
+        position = torch.arange(prior.shape[1])
+        counted = (prior >= 0) & (prior <= position if causal else True)
+        reach = counted & admitted.gather(-1, prior.clamp_min(0)[..., None]).squeeze(-1)
+        outside += int((counted & ~reach).sum())
+        chosen = probs[layer][:, heads].gather(-1, prior.clamp_min(0)[:, None, :, None]).squeeze(-1)
+        nll = torch.where(reach[:, None], chosen, 1.0).log().neg()  # rows outside: 0 probability, left out
+        expected[layer] = (nll * reach[:, None]).sum() / reach.sum()
+    assert outside > 0, "no parent fell outside a window: the test would not exercise one"
+    reference = torch.stack(list(expected.values())).mean()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    reference_grad = torch.autograd.grad(reference, parameters, allow_unused=True)
+
+    for blocked in (True, False):
+        method = attnreg.methods.SyntaxPriorKL(heads=heads, blockwise=blocked)
+        method.bind(model)
+        method.start(10)
+        with hub.capture(method.layers, inputs=method.inputs) as record:
+            model(**batch)
+        with pytest.warns(UserWarning, match=r"sliding window.*leaves out \d+ of the \d+ prior rows") as caught:
+            value, logs = method.term(record, batch, step=0)
+        windowed = sum("leaves out" in str(w.message) for w in caught)
+        assert 1 <= windowed <= hub.num_layers
+        for layer in range(hub.num_layers):
+            figure, want = float(logs[f"syntax_prior_kl/layer{layer}"]), float(expected[layer].detach())
+            assert abs(figure - want) <= 1e-4, (blocked, layer, figure, want)
+        gradient = torch.autograd.grad(value, parameters, allow_unused=True)
+        for got, want in zip(gradient, reference_grad, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        with hub.capture(method.layers, inputs=method.inputs) as record:  # said once: not again
+            model(**batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            method.term(record, batch, step=0)
+
+
+def test_attention_entropy_infers_a_window_from_the_probabilities():
+    """Uniform attention over a window of 4 keys reads 1 without `layer_mask`, as with it; a padded key still counts
+    out, and a bidirectional window too."""
+    keys = torch.arange(12)
+    causal_window = (keys[None, :] <= keys[:, None]) & (keys[None, :] > keys[:, None] - 4)
+    both_ways = (keys[None, :] - keys[:, None]).abs() <= 2
+    for window, causal in ((causal_window, True), (both_ways, False)):
+        mask = window.expand(2, 3, 12, 12).clone()
+        mask[1, :, :, 9:] = False  # the second row's last 3 tokens are padding
+        padding = torch.ones(2, 12, dtype=torch.long)
+        padding[1, 9:] = 0
+        uniform = mask / mask.sum(-1, keepdim=True).clamp_min(1)
+        inferred = attention_entropy(uniform, padding, causal=causal, normalize=True)
+        given = attention_entropy(uniform, padding, causal=causal, normalize=True, layer_mask=mask[:, :1])
+        torch.testing.assert_close(inferred, torch.ones(3), rtol=0, atol=1e-6)
+        torch.testing.assert_close(given, inferred)

@@ -16,21 +16,31 @@ Example:
     >>> value, logs = kl.term(record, batch, step=500)                  # weighted at 0.75
     >>> loss = loss + value; sorted(logs)
     ['syntax_prior_kl/layer0', 'syntax_prior_kl/layer1']
+
+Different heads can take different prior kinds in one term (`kinds`: the verb -> subject row on one head, the
+noun -> determiner row on another), each read from its own batch key, which `SyntaxCollator(kinds=
+kl.kind_priors)` fills:
+
+    >>> kinds = SyntaxPriorKL(kinds={"nsubj": {1: [0]}, "det": {1: [1]}, "parent": {0: [2]}})
+    >>> kinds.layers, sorted(kinds.kind_priors)
+    ([0, 1], ['attnreg_prior.dependents:det', 'attnreg_prior.dependents:nsubj', 'attnreg_prior.parent'])
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from attnreg import blockwise
 from attnreg.hub import AttentionRecord
-from attnreg.losses import HeadReduction, prior_kl
+from attnreg.losses import HeadReduction, causal_prior, prior_kl, reachable_prior
 from attnreg.methods.loss_term import Heads, LossTerm
 from attnreg.schedules import ScheduleLike
 from attnreg.syntax.data import PRIOR_KEY
+from attnreg.syntax.priors import SyntaxPrior
 
 
 class SyntaxPriorKL(LossTerm):
@@ -42,11 +52,21 @@ class SyntaxPriorKL(LossTerm):
     `head_reduction`: "mean_heads" (mean of per-head KLs) or "mean_attention" (KL of the head mean).
     `blockwise` as for `EntropyRegularizer`.
 
+    `kinds` gives heads their own prior kinds instead of `heads`: `{spec: heads}`, a spec as
+    `attnreg.syntax.SyntaxPrior.from_spec` reads it ("parent", "dependents", a relation such as "nsubj" for
+    verb -> subject, "parent:det" for determiner -> noun), `heads` a list (in every layer of `layers`) or
+    `{layer: heads}`; `subtypes` ("fold" or "keep") says how relations compare. Each kind is read from
+    `batch[f"{prior_key}.{spec}"]` (`kind_priors` maps those keys to the priors, for `SyntaxCollator(kinds=...)`);
+    the term is the mean over kinds of each kind's mean over its layers, logged per kind and layer
+    (`<name>/<spec>/layer<l>`). A layer or head outside the model is refused at `bind`, naming the kind.
+
     Example:
         >>> SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0]).layers          # head 0 of layers 0 and 1
         [0, 1]
         >>> SyntaxPriorKL(heads={0: [3], 1: [4], 2: [8]}).layers                # one chosen head per layer
         [0, 1, 2]
+        >>> SyntaxPriorKL(kinds={"nsubj": {15: [2]}, "parent": {15: [3], 14: [1]}}).layers
+        [14, 15]
     """
 
     default_name = "syntax_prior_kl"
@@ -61,15 +81,67 @@ class SyntaxPriorKL(LossTerm):
         prior_key: str = PRIOR_KEY,
         name: str | None = None,
         blockwise: bool = True,
+        kinds: Mapping[str, Heads] | None = None,
+        subtypes: str = "fold",
     ) -> None:
         if head_reduction not in ("mean_heads", "mean_attention"):
             raise ValueError(f"head_reduction must be 'mean_heads' or 'mean_attention', got {head_reduction!r}")
+        self._kinds: dict[str, SyntaxPriorKL] = {}
+        self.kind_priors: dict[str, SyntaxPrior] = {}
+        if kinds is not None:
+            if heads is not None:
+                raise ValueError(f"{type(self).__name__}: give heads either through kinds= or heads=, not both")
+            if not isinstance(kinds, Mapping) or not kinds:
+                raise TypeError(f"{type(self).__name__}: kinds must map prior kinds to heads, got {kinds!r}")
+            for spec, chosen in kinds.items():
+                prior = SyntaxPrior(spec, subtypes=subtypes)
+                key = f"{prior_key}.{prior.spec}"
+                if key in self.kind_priors:
+                    raise ValueError(f"{type(self).__name__}: kinds names {prior.spec!r} twice")
+                self.kind_priors[key] = prior
+                self._kinds[prior.spec] = SyntaxPriorKL(weight, layers, chosen, head_reduction, key, None, blockwise)
+            maps = [child._layers_from_heads for child in self._kinds.values()]
+            if layers is None and all(maps):
+                layers = sorted({layer for child in self._kinds.values() for layer in child.layers})
         super().__init__(name, layers, weight, heads)
+        self.kinds = None if kinds is None else {spec: child.heads for spec, child in self._kinds.items()}
+        self.subtypes = subtypes
         self.head_reduction, self.prior_key = head_reduction, prior_key
-        self.batch_keys = (prior_key,)
+        self.batch_keys = tuple(self.kind_priors) if self._kinds else (prior_key,)
         self.inputs = blockwise
 
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "kinds": self.kinds} if self.kinds else super().identity()
+
+    def bind(self, model: torch.nn.Module, taken: Any = ()) -> None:
+        for spec, child in self._kinds.items():  # first, so that a layer or head outside the model names its kind
+            try:
+                child.bind(model)
+            except (IndexError, ValueError) as error:
+                raise type(error)(f"{type(self).__name__} kinds[{spec!r}]: {error}") from error
+        super().bind(model, taken)
+        for spec, child in self._kinds.items():
+            child.name = f"{self.name}/{spec}"
+
+    def heads_of(self, layer: int) -> list[int] | None:
+        """The heads of `layer` this term supervises, over every kind (None = all)."""
+        if not self._kinds:
+            return super().heads_of(layer)
+        chosen = [
+            child.heads_of(layer) for child in self._kinds.values() if child.layers is None or layer in child.layers
+        ]
+        return None if any(heads is None for heads in chosen) else sorted({h for heads in chosen for h in heads})
+
+    def unbind(self) -> None:
+        for child in self._kinds.values():
+            child.unbind()
+        super().unbind()
+
     def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self._kinds:
+            parts = [child.value(probs, batch) for child in self._kinds.values()]
+            logs = {name: figure for _, figures in parts for name, figure in figures.items()}
+            return torch.stack([value for value, _ in parts]).mean(), logs
         if not isinstance(batch, dict) or self.prior_key not in batch:
             keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
             raise KeyError(
@@ -80,11 +152,41 @@ class SyntaxPriorKL(LossTerm):
         active = self.active_heads()
         if not active:
             return torch.zeros((), device=next(self.model.parameters()).device), {}
-        kl = blockwise.prior_kl if self.inputs else prior_kl
-        losses = torch.stack(
-            [  # the prior's values are checked once per batch, with the first layer (one sync, not one a layer)
-                kl(self.captured(probs, layer), prior, heads, self.head_reduction, self.causal, check_values=i == 0)
-                for i, (layer, heads) in enumerate(active.items())
-            ]
-        )
+        values = []
+        for i, (layer, heads) in enumerate(active.items()):
+            captured = self.captured(probs, layer)  # the prior's values are checked once per batch, with layer one
+            options = dict(reduction=self.head_reduction, causal=self.causal, check_values=i == 0)
+            if self.inputs:
+                values.append(blockwise.prior_kl(captured, prior, heads, **options))
+            else:
+                layer_mask = probs.attention_mask(layer) if isinstance(probs, AttentionRecord) else None
+                values.append(prior_kl(captured, prior, heads, **options, layer_mask=layer_mask))
+        self._report_window(probs, prior, active)
+        losses = torch.stack(values)
         return losses.mean(), self.layer_figures(active, losses)
+
+    def _report_window(self, probs: AttentionRecord, prior: torch.Tensor, active: dict) -> None:
+        """Say once per layer that its mask (a sliding window) leaves prior rows out of the term, with how many of a
+        batch's: one synchronization per batch, only for layers that received a mask and have not said it yet."""
+        if not isinstance(probs, AttentionRecord):
+            return
+        warned = self.__dict__.setdefault("_window_warned", set())
+        masks = {layer: probs.attention_mask(layer) for layer in active if layer not in warned}
+        masks = {layer: mask for layer, mask in masks.items() if mask is not None}
+        if not masks:
+            return
+        keys = next(iter(masks.values())).shape[-1]
+        rows = (prior >= 0).sum() if prior.dim() == 2 else (prior.sum(-1) > 0).sum()
+        causal = causal_prior(prior, keys) if self.causal else prior
+        reachable = (causal >= 0).sum() if prior.dim() == 2 else (causal.sum(-1) > 0).sum()
+        counts = torch.stack([reachable, rows] + [reachable_prior(causal, mask)[1] for mask in masks.values()]).tolist()
+        for layer, dropped in zip(masks, counts[2:], strict=True):
+            if dropped:
+                warned.add(layer)
+                warnings.warn(
+                    f"{type(self).__name__} {self.name!r}: layer {layer}'s attention mask (a sliding window, or "
+                    f"padding) leaves out {dropped} of the {counts[0]} prior rows of a batch it could otherwise "
+                    f"reach ({counts[1]} in all): their prior lies on keys outside the window, so the KL is over the "
+                    "rows the layer can reach (said once per layer)",
+                    stacklevel=3,
+                )
