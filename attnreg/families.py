@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
+
+from attnreg.weights import out_features
 
 
 @dataclass(frozen=True)
@@ -461,108 +462,6 @@ def families_markdown() -> str:
     lines += ["", "| refused model type | why |", "|---|---|"]
     lines += [f"| `{model_type}` | {reason} |" for model_type, reason in REFUSED.items()]
     return "\n".join(lines) + "\n"
-
-
-def out_features(projection: nn.Module) -> int:
-    """Output width of an nn.Linear or a GPT-2 Conv1D (whose weight is stored transposed).
-
-    Example:
-        >>> out_features(nn.Linear(3, 5)), out_features(Conv1D(5, 3))
-        (5, 5)
-    """
-    projection = base_layer(projection)
-    if isinstance(projection, Conv1D):
-        return projection.weight.shape[1]
-    return projection.weight.shape[0]
-
-
-def base_layer(projection: nn.Module) -> nn.Module:
-    """The projection a PEFT adapter layer wraps (`base_layer`), or the projection itself.
-
-    Example:
-        >>> projection = nn.Linear(2, 2)
-        >>> base_layer(projection) is projection
-        True
-    """
-    return getattr(projection, "base_layer", projection)
-
-
-def lora_factors(projection: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """`(lora_A, lora_B)` of every adapter of a PEFT LoRA layer (its output adds `lora_B(lora_A(x)) * scaling`
-    to the wrapped projection's), [] for a plain projection. An adapter that is not linear in its input
-    (DoRA's magnitude vector) is refused: scaling or slicing the projection's features would not carry over.
-
-    Example:
-        >>> lora_factors(nn.Linear(2, 2))
-        []
-    """
-    first, second = getattr(projection, "lora_A", None), getattr(projection, "lora_B", None)
-    if not isinstance(first, nn.ModuleDict) or not isinstance(second, nn.ModuleDict):
-        if base_layer(projection) is not projection:  # another PEFT tuner (IA3, LoHa, ...): its path is not known
-            raise NotImplementedError(
-                f"{type(projection).__module__}.{type(projection).__qualname__} wraps a projection with an adapter "
-                "attnreg cannot scale or slice (it handles LoRA's lora_A and lora_B); merge the adapter first"
-            )
-        return []
-    magnitudes = getattr(projection, "lora_magnitude_vector", None)
-    if magnitudes is not None and len(magnitudes) > 0:
-        raise NotImplementedError(
-            f"{type(projection).__name__} uses DoRA (adapters {sorted(magnitudes)}), whose output is not linear in its "
-            "weight's rows and columns: attnreg cannot fold gates into it or slice heads from it; use plain LoRA"
-        )
-    return [(first[name], second[name]) for name in first]
-
-
-def scale_input_columns(projection: nn.Module, scale: torch.Tensor) -> None:
-    """Multiply the projection's input features by `scale` (one value per input feature), in place; for a
-    PEFT LoRA layer, of the wrapped projection and of every adapter's `lora_A`.
-
-    Example:
-        >>> projection = nn.Linear(2, 1, bias=False)
-        >>> projection.weight.data = torch.tensor([[1.0, 1.0]])
-        >>> scale_input_columns(projection, torch.tensor([0.0, 3.0]))
-        >>> projection.weight
-        Parameter containing:
-        tensor([[0., 3.]], requires_grad=True)
-    """
-    factors = lora_factors(projection)
-    projection = base_layer(projection)
-    weight = projection.weight
-    with torch.no_grad():
-        if isinstance(projection, Conv1D):
-            weight.mul_(scale.to(weight)[:, None])
-        else:
-            weight.mul_(scale.to(weight)[None, :])
-        for first, _ in factors:
-            first.weight.mul_(scale.to(first.weight)[None, :])
-
-
-def scale_output_rows(projection: nn.Module, scale: torch.Tensor, start: int = 0) -> None:
-    """Multiply output features `start : start + len(scale)` (weight and bias) by `scale`, in place; for a
-    PEFT LoRA layer, of the wrapped projection and of every adapter's `lora_B`.
-
-    Example:
-        >>> projection = nn.Linear(1, 3)
-        >>> projection.bias.data = torch.ones(3)
-        >>> scale_output_rows(projection, torch.tensor([0.0, 2.0]), start=1)
-        >>> projection.bias
-        Parameter containing:
-        tensor([1., 0., 2.], requires_grad=True)
-    """
-    stop = start + scale.numel()
-    factors = lora_factors(projection)
-    projection = base_layer(projection)
-    with torch.no_grad():
-        for _, second in factors:
-            second.weight[start:stop].mul_(scale.to(second.weight)[:, None])
-            if second.bias is not None:
-                second.bias[start:stop].mul_(scale.to(second.bias))
-        if isinstance(projection, Conv1D):
-            projection.weight[:, start:stop].mul_(scale.to(projection.weight)[None, :])
-        else:
-            projection.weight[start:stop].mul_(scale.to(projection.weight)[:, None])
-        if projection.bias is not None:
-            projection.bias[start:stop].mul_(scale.to(projection.bias))
 
 
 def _rows(heads: list[int], size: int) -> torch.Tensor:

@@ -32,15 +32,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attnreg import compat
-from attnreg.families import (
-    Family,
-    UnsupportedModelError,
-    detect_family,
-    lora_factors,
-    out_features,
-    scale_input_columns,
-    scale_output_rows,
-)
+from attnreg.families import Family, UnsupportedModelError, detect_family
+from attnreg.weights import lora_factors, out_features, scale_input_columns, scale_output_rows
 
 IMPLEMENTATION = "attnreg"
 GATE = "attnreg_gate"

@@ -11,6 +11,7 @@ FRAMEWORKS = ("lightning", "pytorch_lightning", "attnreg.callbacks", "attnreg.mi
 APP = ("attnreg.app",)
 CORE = [
     "families.py",
+    "weights.py",
     "hub.py",
     "heads.py",
     "losses.py",

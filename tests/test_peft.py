@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import attnreg
-from attnreg import methods
 from attnreg.tiny import tiny_model
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[peft]')")
@@ -88,19 +87,6 @@ def test_merge_and_unload_keeps_gates_and_silencing():
     assert type(merged.model.layers[0].self_attn.o_proj) is torch.nn.Linear
     torch.testing.assert_close(logits(merged), expected, rtol=1e-5, atol=1e-5)
     assert sorted(attnreg.hub_of(merged).gates) == [0, 1]
-
-
-@pytest.mark.parametrize("targets", [["k_proj", "v_proj"], ["o_proj"]])
-def test_removal_on_adapter_layers_is_refused_before_anything_changes(targets):
-    model = lora(tiny_model("llama", head="causal_lm"), targets)
-    before = {name: value.clone() for name, value in model.state_dict().items()}
-    with pytest.raises(TypeError, match=r"cannot be removed: .*(k_proj|o_proj) is a peft\.tuners\.lora\.layer\.Linear"):
-        attnreg.methods.pruning.prune_heads(model.get_base_model(), {0: [0, 1], 1: [2]})
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
-    gating = methods.HeadGating(methods.L1Gates(), methods.Removal(keep=6))
-    with pytest.raises(TypeError, match="HeadGating: heads of layer 0 cannot be removed"):
-        gating.bind(model, taken=set())
 
 
 def test_gates_train_beside_frozen_base_weights():

@@ -58,7 +58,14 @@ from attnreg.methods.pruning.importance import (
     select_heads,
 )
 from attnreg.methods.pruning.optimizer_state import drop_from_optimizer, slice_optimizer_state
-from attnreg.methods.pruning.saving import SPEC_FILE, load_pruned, restore_saved_pruning, save_pruned, write_spec
+from attnreg.methods.pruning.saving import (
+    SPEC_FILE,
+    load_pruned,
+    restore_saved_pruning,
+    save_adapters,
+    save_pruned,
+    write_spec,
+)
 from attnreg.methods.pruning.surgery import SILENCE, check_removable, count_parameters, prune_heads, silence_heads
 
 __all__ = [
@@ -89,6 +96,7 @@ __all__ = [
     "pruned_heads",
     "restore_pruning",
     "restore_saved_pruning",
+    "save_adapters",
     "save_pruned",
     "select_heads",
     "silence_heads",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from attnreg import weights
 from attnreg.families import Family, detect_family
 from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
 from attnreg.hub import GATE, TEMPERATURE, attach
@@ -47,15 +49,67 @@ def save_pruned(
         ['attnreg_pruning.json', 'config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
     """
     directory = Path(directory)
+    model = _unwrapped(model)
     # Not an attached model's own save_pretrained, which folds gates: these load back. The weights are written
     # as the model holds them: the original format of some families (mixture-of-experts) is converted back only
     # by from_pretrained, which a pruned model cannot use.
     options = {"save_original_format": False} if "save_original_format" in _SAVE_PARAMETERS else {}
+    adapters = weights.adapter_layers(model)
+    if adapters:
+        options["state_dict"] = weights.without_adapters(model)
     type(model).save_pretrained(model, directory, **options)
+    if adapters:
+        save_adapters(model, directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     write_spec(model, directory)
     return directory
+
+
+def save_adapters(model: nn.Module, directory: str | Path) -> list[Path]:
+    """Write the PEFT adapters injected into `model` (a `PeftModel` or the transformers model inside one) as
+    `PeftModel.save_pretrained` writes them: `adapter_config.json` and `adapter_model.safetensors` in `directory`
+    for the `default` adapter, in `directory/<name>` for the others. `save_pruned` calls it, so that
+    `PeftModel.from_pretrained(load_pruned(directory), directory)` gives the pruned model with its adapter.
+
+    Example:
+        >>> import tempfile
+        >>> import peft
+        >>> from attnreg.tiny import tiny_model
+        >>> config = peft.LoraConfig(r=2, target_modules=["q_proj"])
+        >>> model = peft.get_peft_model(tiny_model("llama", head="causal_lm"), config)
+        >>> [path.name for path in save_adapters(model, tempfile.mkdtemp())]
+        ['adapter_model.safetensors']
+    """
+    import peft
+    from safetensors.torch import save_file
+
+    model = _unwrapped(model)
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        raise ValueError(
+            f"{type(model).__name__} holds PEFT layers {sorted(weights.adapter_layers(model))[:3]} but no "
+            "peft_config: save it through its PeftModel (peft.get_peft_model)"
+        )
+    written = []
+    for name, config in configs.items():
+        folder = Path(directory) if name == "default" else Path(directory, name)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = peft.get_peft_model_state_dict(model, adapter_name=name)
+        # keys as a PeftModel names them: its base_model (the tuner) holds the transformers model as `model`
+        state = {f"base_model.model.{key}": tensor.detach().contiguous() for key, tensor in state.items()}
+        config = copy.deepcopy(config)
+        config.inference_mode = True
+        config.save_pretrained(folder)
+        save_file(state, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+        written.append(folder / "adapter_model.safetensors")
+    return written
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model of a `PeftModel` (`get_base_model`), else `model`."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
 
 
 def write_spec(model: transformers.PreTrainedModel, directory: str | Path) -> Path:

@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-from attnreg import compat
+from attnreg import compat, weights
 from attnreg.families import Family, detect_family
 from attnreg.heads import (
     PRUNED_HEADS,
@@ -46,8 +45,10 @@ class _LayerPlan:
 
 
 def check_removable(model: nn.Module, layers: Iterable[int]) -> None:
-    """Raise, naming the module, unless heads of `layers` can be removed: removal slices `nn.Linear` and
-    GPT-2's `Conv1D` projections, not the layers a PEFT adapter wraps around them (merge the adapters first).
+    """Raise `TypeError`, naming the module and the tuner, unless heads of `layers` can be removed exactly:
+    removal slices `nn.Linear` and GPT-2's `Conv1D` projections, bare or wrapped by PEFT LoRA adapters (whose
+    `lora_B` rows on q/k/v and `lora_A` columns on the output projection go with the heads); DoRA, other LoRA
+    variants and other tuners are refused (merge them first, or silence the heads).
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -56,7 +57,7 @@ def check_removable(model: nn.Module, layers: Iterable[int]) -> None:
         >>> check_removable(model, [1])
         Traceback (most recent call last):
         ...
-        TypeError: heads of layer 1 cannot be removed: encoder.layer.1.attention.output.dense is a torch...
+        TypeError: heads of layer 1 cannot be removed: encoder.layer.1.attention.output.dense: torch...
     """
     family = detect_family(model)
     projections = (family.query, family.key, family.value, family.fused_qkv)
@@ -64,16 +65,15 @@ def check_removable(model: nn.Module, layers: Iterable[int]) -> None:
     for layer in layers:
         block = family.blocks(model)[layer]
         for name in [*names, family.out_proj]:
-            module = block.get_submodule(name)
-            kind = type(module)
-            if kind not in (nn.Linear, Conv1D):
+            try:
+                weights.check_sliceable(block.get_submodule(name), output=name != family.out_proj)
+            except TypeError as error:
                 raise TypeError(
-                    f"heads of layer {layer} cannot be removed: {family.module_path(model, layer, name)} is a "
-                    f"{kind.__module__}.{kind.__qualname__}, and head removal slices nn.Linear and Conv1D projections "
-                    f"only ({type(model).__name__}); merge a PEFT adapter first (merge_and_unload), or silence the "
-                    "heads (attnreg.methods.pruning.silence_heads), which acts on the adapter's path too. Nothing was "
+                    f"heads of layer {layer} cannot be removed: {family.module_path(model, layer, name)}: {error} "
+                    f"({type(model).__name__}); merge the adapter first (merge_and_unload), or silence the heads "
+                    "(attnreg.methods.pruning.silence_heads), which acts on the adapter's path too. Nothing was "
                     "changed"
-                )
+                ) from None
 
 
 def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.optim.Optimizer] = ()) -> PruneReport:
@@ -318,19 +318,11 @@ def _rows(heads: Iterable[int], head_dim: int) -> torch.Tensor:
 
 
 def _slice_features(projection: nn.Module, index: torch.Tensor, output: bool) -> list[SlicedTensor]:
-    """Keep output features (`output=True`) or input features `index` of an nn.Linear or a GPT-2 Conv1D."""
-    conv = isinstance(projection, Conv1D)
-    if not conv and not isinstance(projection, nn.Linear):
-        raise TypeError(f"cannot prune heads of a {type(projection).__name__} projection (nn.Linear or Conv1D)")
-    weight_dim = (1 if conv else 0) if output else (0 if conv else 1)
-    sliced = [_slice_tensor(projection, "weight", projection.weight, weight_dim, index)]
-    if output and projection.bias is not None:
-        sliced.append(_slice_tensor(projection, "bias", projection.bias, 0, index))
-    size = len(index)
-    if conv:
-        setattr(projection, "nf" if output else "nx", size)
-    else:
-        setattr(projection, "out_features" if output else "in_features", size)
+    """Keep output features (`output=True`) or input features `index` of an nn.Linear or a GPT-2 Conv1D, and of
+    the LoRA adapters wrapping it (`attnreg.weights.feature_tensors`)."""
+    tensors = weights.feature_tensors(projection, output)
+    sliced = [_slice_tensor(owner, name, tensor, dim, index) for owner, name, tensor, dim in tensors]
+    weights.set_features(projection, len(index), output)
     return sliced
 
 
@@ -412,7 +404,7 @@ class _HeadlessForward:
         if module._attnreg_out_proj is None:
             return hidden_states.new_zeros(*shape, 0), None
         projection = module.get_submodule(module._attnreg_out_proj)
-        width = projection.nf if isinstance(projection, Conv1D) else projection.out_features
+        width = weights.out_features(projection)
         if projection.bias is None:
             return hidden_states.new_zeros(*shape, width), None
         return projection.bias.to(hidden_states.dtype).expand(*shape, width), None
@@ -464,17 +456,17 @@ def _apply_silence(model: nn.Module, family: Family, layer: int, optimizers: lis
     silenced = silenced_heads(model).get(layer, ())
     if not silenced:
         return
-    weight = projection.weight
     scale = torch.tensor([0.0 if head in silenced else 1.0 for head in head_numbers(model, layer)])
     columns = scale.repeat_interleave(family.head_dim(family.attention_module(model, layer)))
-    columns = columns[:, None] if isinstance(projection, Conv1D) else columns[None, :]
-    with torch.no_grad():
-        weight.mul_(columns.to(weight))
-        for optimizer in optimizers:
-            for value in optimizer.state.get(weight, {}).values():
-                if isinstance(value, torch.Tensor) and value.shape == weight.shape:
-                    value.mul_(columns.to(value))
-    projection.register_buffer(SILENCE, scale.to(weight), persistent=False)
+    with torch.no_grad():  # the wrapped projection's columns and any LoRA adapter's lora_A columns
+        for _, _, tensor, dim in weights.feature_tensors(projection, output=False):
+            along = columns[:, None] if dim == 0 else columns[None, :]
+            tensor.mul_(along.to(tensor))
+            for optimizer in optimizers:
+                for value in optimizer.state.get(tensor, {}).values():
+                    if isinstance(value, torch.Tensor) and value.shape == tensor.shape:
+                        value.mul_(along.to(value))
+    projection.register_buffer(SILENCE, scale.to(projection.weight), persistent=False)
     projection.register_forward_pre_hook(_SilenceHook())
 
 
