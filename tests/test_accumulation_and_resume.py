@@ -212,7 +212,7 @@ def test_a_removal_that_cannot_be_done_is_refused_at_bind():
     model.model.layers[1].self_attn.o_proj = Wrapped(model.model.layers[1].self_attn.o_proj)
     gating = methods.HeadGating(methods.L1Gates(), methods.Removal(keep=4))
     with pytest.raises(
-        TypeError, match=r"HeadGating: heads of layer 1 .*model\.layers\.1\.self_attn\.o_proj is a .*Wrapped"
+        TypeError, match=r"HeadGating: heads of layer 1 .*model\.layers\.1\.self_attn\.o_proj: .*Wrapped wraps"
     ):
         gating.bind(model, taken=set())
     assert not attnreg.attach(model).gates  # refused before any gate was made
