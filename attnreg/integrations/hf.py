@@ -62,7 +62,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from attnreg.compat import KeepColumns, no_sync_as, trainer_rewrap
 from attnreg.hub import is_attached, unfolded_saves
 from attnreg.methods import Loop, Method, Runner
-from attnreg.methods.pruning import restore_saved_pruning, write_spec
 
 STATE_FILE = "attnreg_state.json"
 _KEPT_COLUMNS = ("sentence", "label", "labels", "words", "heads", "relations", "text")  # what SyntaxCollator reads
@@ -183,7 +182,7 @@ class AttnRegTrainerMixin(KeepColumns):
                 folder = get_last_checkpoint(self.args.output_dir)
             if folder is not None:
                 self._load_method_state(folder)
-                restore_saved_pruning(self._attnreg_model(), folder)  # heads removed before the checkpoint
+                self.attnreg.load_structure(folder)  # heads removed before the checkpoint, gates
         self.attnreg.bind(self._attnreg_model())
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -199,10 +198,11 @@ class AttnRegTrainerMixin(KeepColumns):
         checkpoint = output_dir is not None and Path(output_dir).name.startswith(f"{PREFIX_CHECKPOINT_DIR}-")
         if not (_internal_call and checkpoint and is_attached(model)):
             return super().save_model(output_dir, _internal_call)
+        structure = self.attnreg.structure()  # on every process: a sharded gate is gathered
         with unfolded_saves(model):
             super().save_model(output_dir, _internal_call)
         if self.args.should_save:
-            write_spec(model, output_dir)
+            self.attnreg.save_structure(output_dir, structure)
 
     def _load_method_state(self, folder: str | os.PathLike) -> None:
         path = Path(folder, STATE_FILE)

@@ -36,9 +36,11 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +49,11 @@ from torch.distributed.tensor import DTensor
 
 from attnreg.hub import AttentionRecord, attach
 from attnreg.methods.base import Loop, Method
+from attnreg.methods.pruning.checkpoints import model_structure, restore_structure
+from attnreg.methods.pruning.saving import restore_saved_pruning, write_spec
+
+STRUCTURE_FILE = "attnreg_structure.json"
+"""The model's structure in a checkpoint folder (`Runner.save_structure`)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,45 @@ class Runner:
     def teardown(self) -> None:
         for method in self.methods:
             method.teardown()
+
+    # -- the model's structure: the checkpoint event before the weights ---------------------------------------
+    def structure(self) -> dict[str, Any]:
+        """The model's structure (heads removed or silenced, the gates and their values), JSON-able: what a
+        checkpoint carries so that a resume rebuilds it before the weights load (`restore_structure`).
+
+        Example:
+            >>> from attnreg import methods
+            >>> from attnreg.tiny import tiny_model
+            >>> runner = Runner([methods.HeadGating(methods.L1Gates(), layers=[1])])
+            >>> runner.bind(tiny_model("bert"))
+            >>> runner.structure()["attnreg_gates"]
+            {'1': [1.0, 1.0, 1.0, 1.0]}
+        """
+        return model_structure(self._transformers_model())
+
+    def restore_structure(self, record: Mapping[str, Any]) -> None:
+        """Rebuild the structure a checkpoint recorded (`structure`) on the bound model, before its weights load."""
+        restore_structure(self._transformers_model(), dict(record))
+
+    def save_structure(self, folder: str | Path, structure: Mapping[str, Any] | None = None) -> None:
+        """Write the structure (`structure()` unless given) into a checkpoint folder: `attnreg_structure.json`,
+        and the pruning spec that `attnreg.methods.pruning.load_pruned` reads."""
+        record = self.structure() if structure is None else structure
+        Path(folder, STRUCTURE_FILE).write_text(json.dumps(record) + "\n")
+        write_spec(self._transformers_model(), folder)
+
+    def load_structure(self, folder: str | Path) -> None:
+        """Rebuild the structure a checkpoint folder recorded (`save_structure`; an older folder's pruning spec)."""
+        path = Path(folder, STRUCTURE_FILE)
+        if path.is_file():
+            self.restore_structure(json.loads(path.read_text()))
+        else:
+            restore_saved_pruning(self._transformers_model(), folder)
+
+    def _transformers_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("Runner: bind(model) first")
+        return attach(self.model).model  # the transformers model (inside a PEFT model, say)
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

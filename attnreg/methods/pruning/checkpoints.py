@@ -1,8 +1,13 @@
-"""Pruning in training checkpoints: framework-free functions on a checkpoint dict, for Lightning's hooks."""
+"""Pruning in training checkpoints: framework-free functions on a checkpoint dict. `model_structure` and
+`restore_structure` are what the runner's structure event (`attnreg.methods.Runner.structure`) carries."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
 from attnreg.hub import GATE
@@ -11,6 +16,75 @@ from attnreg.methods.pruning.surgery import prune_heads, silence_heads
 
 FOLDED_GATES = "attnreg_folded_gates"
 """Lightning checkpoint entry: layers whose gates were folded into the weights (so the checkpoint has none)."""
+GATES = "attnreg_gates"
+"""Structure entry: the hub's gates at the save, by layer, with their values (a PEFT checkpoint has none)."""
+
+
+def model_structure(model: nn.Module) -> dict[str, Any]:
+    """The model's structure as a JSON-able record: heads removed and silenced, and its gates with their
+    values, what must be rebuilt before a checkpoint's weights load (`restore_structure`).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> from attnreg.hub import attach
+        >>> model = tiny_model("bert")
+        >>> _ = attach(model).gate(1)
+        >>> _ = prune_heads(model, {0: [1, 2]})
+        >>> model_structure(model)
+        {'attnreg_pruned_heads': {'0': [1, 2]}, 'attnreg_silenced_heads': {},
+         'attnreg_gates': {'1': [1.0, 1.0, 1.0, 1.0]}}
+    """
+    record: dict[str, Any] = {}
+    add_pruning_to_checkpoint(model, record)
+    hub = _hub_or_none(model)
+    gates = {} if hub is None else hub.gates
+    record[GATES] = {str(layer): _values(gate) for layer, gate in sorted(gates.items())}
+    return record
+
+
+def restore_structure(model: nn.Module, record: dict[str, Any]) -> PruneReport | None:
+    """Rebuild on `model` (built as the run began, its methods bound) the structure `model_structure` recorded:
+    heads removed and silenced, gates the record lacks (folded at a removal) taken off, the recorded gates'
+    values set (the weights, where they hold the gates, load over them). A record without gates (an older
+    checkpoint) goes to `restore_pruning`.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> from attnreg.hub import attach
+        >>> fresh = tiny_model("bert")
+        >>> hub = attach(fresh); _ = hub.gate(0), hub.gate(1)      # the method made gates at bind
+        >>> record = {"attnreg_pruned_heads": {"0": [1, 2]}, "attnreg_gates": {"1": [0.5, 1.0, 1.0, 0.0]}}
+        >>> restore_structure(fresh, record).heads, sorted(hub.gates), hub.gate(1).tolist()
+        ({0: (2, 2), 1: (4, 4)}, [1], [0.5, 1.0, 1.0, 0.0])
+    """
+    if GATES not in record:
+        return restore_pruning(model, record)
+    recorded = {int(layer): values for layer, values in record[GATES].items()}
+    hub = _hub_or_none(model)
+    folded = [layer for layer in ({} if hub is None else hub.gates) if layer not in recorded]
+    report = restore_pruning(model, {**record, FOLDED_GATES: folded, "state_dict": {}})
+    with torch.no_grad():
+        for layer, values in recorded.items():
+            gate = None if hub is None else hub.gates.get(layer)
+            if gate is None:
+                raise ValueError(
+                    f"the checkpoint has a gate on layer {layer} but the model has none: bind the method that made "
+                    "it (HeadGating, say) before resuming"
+                )
+            if isinstance(gate, nn.Module):
+                for name, tensor in gate.state_dict(keep_vars=True).items():
+                    if not isinstance(tensor, DTensor):  # sharded: the checkpoint's weights hold it
+                        tensor.copy_(torch.tensor(values[name], dtype=tensor.dtype))
+            elif not isinstance(gate, DTensor):
+                gate.copy_(torch.tensor(values, dtype=gate.dtype))
+    return report
+
+
+def _values(gate: Any) -> Any:
+    if isinstance(gate, nn.Module):
+        return {name: _values(tensor) for name, tensor in gate.state_dict().items()}
+    gate = gate.full_tensor() if isinstance(gate, DTensor) else gate
+    return gate.detach().float().cpu().tolist()
 
 
 def add_pruning_to_checkpoint(model: nn.Module, checkpoint: dict) -> None:
