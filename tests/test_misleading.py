@@ -51,12 +51,22 @@ DOCS_COMMAND = re.compile(r"^\s*attnreg-train(?P<overrides>(\s.*)?)$")
 
 
 def config_comments() -> list[tuple[str, int, str]]:
-    """(file relative to the configs, line number, the comment's text) for every comment line."""
+    """(file relative to the configs, line number, the comment's text) for every comment line; a comment ending
+    in a backslash continues on the next comment line, as in a shell (joined, at the first line's number)."""
     found = []
     for path in sorted(CONFIG_DIR.rglob("*.yaml")):
+        continued = False
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if "#" in line:
-                found.append((str(path.relative_to(CONFIG_DIR)), number, line[line.index("#") :]))
+            if "#" not in line:
+                continued = False
+                continue
+            comment = line[line.index("#") :]
+            if continued:
+                name, first, text = found.pop()
+                found.append((name, first, text[:-1].rstrip() + " " + comment.lstrip("#").strip()))
+            else:
+                found.append((str(path.relative_to(CONFIG_DIR)), number, comment))
+            continued = comment.rstrip().endswith("\\")
     return found
 
 
@@ -426,3 +436,72 @@ def test_the_pruned_heads_warning_reads_as_a_sentence():
         "layer",
         "SyntaxPriorKL 'syntax_prior_kl': head 2 of layer 0 was pruned, so the term no longer covers it",
     ]
+
+
+# -- issue 38: clear errors ----------------------------------------------------------------------------------
+def tree_file(path, sentences=1):
+    words = [("the", 2, "det"), ("dogs", 3, "nsubj"), ("bark", 0, "root")]
+    rows = [f"{i}\t{word}\t_\t_\t_\t_\t{head}\t{rel}\t_\t_" for i, (word, head, rel) in enumerate(words, 1)]
+    path.write_text(("# text = the dogs bark\n" + "\n".join(rows) + "\n\n") * sentences)
+    return path
+
+
+def test_an_empty_conllu_file_is_refused_naming_the_file(tmp_path):
+    from attnreg.syntax import SyntaxDataset
+
+    (tmp_path / "train.conllu").write_text("\n")
+    with pytest.raises(ValueError, match=r"train.conllu holds no sentence: an empty CoNLL-U file"):
+        SyntaxDataset.from_conllu(tmp_path / "train.conllu")
+    assert len(SyntaxDataset.from_conllu(tree_file(tmp_path / "dev.conllu", 2))) == 2
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both_sizes(tmp_path, capsys):
+    from attnreg.app.analyze import main
+    from attnreg.app.models import pretrained_classifier
+    from attnreg.app.task import build_tokenizer
+    from attnreg.tiny import tiny_model
+
+    big = build_tokenizer(["the", "dogs", "bark", *(f"w{i}" for i in range(120))])  # 128 tokens
+    tiny_model("bert", vocab=100).save_pretrained(tmp_path / "model")
+    big.save_pretrained(tmp_path / "model")
+    big.save_pretrained(tmp_path / "tokenizer")
+    with pytest.raises(ValueError, match=f"the tokenizer has {len(big)} tokens but the model .* has 100 input emb"):
+        pretrained_classifier(big, 2, str(tmp_path / "model"))  # before training, not an IndexError in it
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "model"), str(tree_file(tmp_path / "dev.conllu")), "--out", str(tmp_path / "report")])
+    assert f"the tokenizer has {len(big)} tokens but the model (BertModel) has 100" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["/models/roberta-base", "./models/roberta-base", "~/no/such/model"])
+def test_a_model_folder_that_does_not_exist_is_said_to_be_missing_not_a_download(tmp_path, capsys, where):
+    from attnreg.app.analyze import main
+    from attnreg.app.models import load_tokenizer, pretrained_classifier
+
+    for load in (load_tokenizer, lambda name: pretrained_classifier(None, 2, name)):
+        with pytest.raises(FileNotFoundError, match=f"^model {re.escape(where)}: no such folder$"):
+            load(where)
+    with pytest.raises(SystemExit):
+        main([where, str(tree_file(tmp_path / "dev.conllu")), "--out", str(tmp_path / "report")])
+    error = capsys.readouterr().err
+    assert "no such folder" in error and "download" not in error
+
+
+def test_training_with_a_tokenizer_that_knows_none_of_the_words_warns():
+    from attnreg.app.datamodules import TextCollator
+    from attnreg.app.task import build_tokenizer
+    from attnreg.syntax import SyntaxCollator
+    from attnreg.syntax.trees import Sentence
+
+    sentence = Sentence("s1", ("Keys", "rattle", "."), (2, 0, 2), ("nsubj", "root", "punct"), "Keys rattle .")
+    wrong, right = build_tokenizer(["x"]), build_tokenizer(["Keys", "rattle", "."])
+    for collate, example in [(SyntaxCollator, sentence), (TextCollator, {"text": sentence.text, "label": 0})]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            collate(right)([example])
+            quiet = len(caught)
+            collator = collate(wrong)
+            collator([example])
+            collator([example])  # said once
+        said = [str(w.message) for w in caught[quiet:]]
+        assert quiet == 0 and len(said) == 1, said
+        assert said[0].startswith(f"{collate.__name__}: the tokenizer cannot tokenize the text: 100% of the 3 words")

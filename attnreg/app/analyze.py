@@ -82,6 +82,7 @@ from attnreg.analysis import (
     token_importance,
 )
 from attnreg.analysis.blocks import BLOCK_SIZE
+from attnreg.app.inputs import check_model_folder, check_vocabulary
 from attnreg.hub import attach
 from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
 from attnreg.syntax.trees import Sentence, read_conllu
@@ -171,9 +172,18 @@ def load_model(
     elif path.exists():
         raise InputError(f"{spec} is a file but not a Lightning checkpoint (.ckpt); give a model directory instead")
     else:
+        try:
+            check_model_folder(spec)  # a path that does not exist is no hub name
+        except FileNotFoundError as error:
+            raise InputError(str(error)) from error
         model = _from_hub(spec, AutoModel)
         source = tokenizer or spec
-    return model.eval(), _tokenizer(source)
+    loaded = _tokenizer(source)
+    try:
+        check_vocabulary(loaded, model)
+    except ValueError as error:
+        raise InputError(f"{error} (the tokenizer of {source})") from error
+    return model.eval(), loaded
 
 
 def _from_hub(name: str, loader: Any, **kwargs: Any) -> Any:

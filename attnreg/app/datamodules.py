@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from attnreg.app.datasets import read_cola, read_sst2
 from attnreg.app.task import MASK, Grammar, build_tokenizer, make_splits, vocabulary
-from attnreg.syntax.data import SyntaxCollator, SyntaxDataset
+from attnreg.syntax.data import SyntaxCollator, SyntaxDataset, warn_unknown_words
 from attnreg.syntax.priors import SyntaxPrior
 from attnreg.syntax.trees import Sentence
 
@@ -70,10 +70,14 @@ class TextCollator:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None = 128) -> None:
         self.tokenizer, self.max_length = tokenizer, max_length
+        self._tokenizer_checked = False
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        texts = [example["text"] for example in examples]
+        if not self._tokenizer_checked:  # the first batch: warn when the tokenizer knows few of the words
+            self._tokenizer_checked = warn_unknown_words(self.tokenizer, texts, "TextCollator")
         batch = self.tokenizer(
-            [example["text"] for example in examples],
+            texts,
             padding=True,
             truncation=self.max_length is not None,
             max_length=self.max_length,

@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from attnreg.app.inputs import check_model_folder, check_vocabulary
 from attnreg.tiny import tiny_model
 
 
@@ -108,6 +109,7 @@ def pretrained_classifier(
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    check_vocabulary(tokenizer, model)
     return model
 
 
@@ -131,6 +133,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
 
 def _from_pretrained(load: Any, name_or_path: str, **options: Any) -> Any:
+    check_model_folder(name_or_path)  # a path that does not exist is no hub name: "no such folder"
     if Path(name_or_path).expanduser().is_dir():
         return load(str(Path(name_or_path).expanduser()), **options)
     try:

@@ -144,6 +144,29 @@ class _SharedCounts:
         return self  # a lock cannot be copied, and a copied collator counts into the same totals
 
 
+def warn_unknown_words(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], who: str) -> bool:
+    """Warn when `tokenizer` reads most words of `texts` as unknown (`attnreg.analysis.check_tokenizer`, the
+    analysis's check): training would then see little but the unknown token. Returns True (checked).
+
+    Example:
+        >>> import warnings
+        >>> from attnreg.app.task import build_tokenizer
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_unknown_words(build_tokenizer(["x"]), ["the keys rattle"], "SyntaxCollator")
+        True
+        >>> print(caught[0].message)
+        SyntaxCollator: the tokenizer cannot tokenize the text: 100% of the 3 words get only its unknown token ...
+    """
+    from attnreg.analysis.vocabulary import check_tokenizer
+
+    try:
+        check_tokenizer(tokenizer, texts)
+    except ValueError as error:
+        warnings.warn(f"{who}: {error}", UserWarning, stacklevel=3)
+    return True
+
+
 class SyntaxCollator:
     """Collate `Sentence`s (or `SyntaxDataset` items) into model inputs plus the prior.
 
@@ -210,6 +233,7 @@ class SyntaxCollator:
         if messages is not None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"messages= needs a tokenizer with a chat template; {type(tokenizer).__name__} has none")
         self._counts = _SharedCounts()
+        self._tokenizer_checked = False
 
     @property
     def stats(self) -> CollatorStats:
@@ -218,6 +242,8 @@ class SyntaxCollator:
 
     def __call__(self, examples: Sequence[Sentence | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         sentences = self.sentences(examples)
+        if not self._tokenizer_checked:  # the first batch: a tokenizer that knows none of the words is the wrong one
+            self._tokenizer_checked = warn_unknown_words(self.tokenizer, [s.text for s in sentences], "SyntaxCollator")
         if self.messages is not None:
             sentences = [self.in_chat(sentence) for sentence in sentences]
         encoding = self.tokenizer(

@@ -93,8 +93,16 @@ def read_conllu(path: str | Path) -> list[Sentence]:
         Traceback (most recent call last):
         ...
         attnreg.syntax.trees.ConlluError: /.../bad.conllu:1: malformed CoNLL-U line, 9 tab-separated fields ...
+        >>> _ = path.write_text("\n")                                           # empty
+        >>> read_conllu(path)
+        Traceback (most recent call last):
+        ...
+        attnreg.syntax.trees.ConlluError: /.../bad.conllu holds no sentence: an empty CoNLL-U file ...
     """
-    return list(iter_conllu(path))
+    sentences = list(iter_conllu(path))
+    if not sentences:
+        raise ConlluError(f"{path} holds no sentence: an empty CoNLL-U file cannot be used")
+    return sentences
 
 
 def iter_conllu(path: str | Path) -> Iterator[Sentence]:
