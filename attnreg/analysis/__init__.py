@@ -39,6 +39,7 @@ from attnreg.analysis.dependencies import (
     predicted_heads,
     word_attention,
 )
+from attnreg.analysis.head_view import HeadView, head_arcs, head_view
 from attnreg.analysis.heads import (
     ATTENTION_STATISTICS,
     KINDS,
@@ -71,6 +72,7 @@ __all__ = [
     "HeadRole",
     "HeadRoles",
     "HeadStatistics",
+    "HeadView",
     "ParentAccuracy",
     "RoleThresholds",
     "SyntaxTargets",
@@ -84,9 +86,11 @@ __all__ = [
     "block_word_attention",
     "check_tokenizer",
     "first_token_attention",
+    "head_arcs",
     "head_output_norms",
     "head_roles",
     "head_statistics",
+    "head_view",
     "layer_by_layer",
     "mean_token_similarity",
     "parent_accuracy",
