@@ -148,10 +148,37 @@ def write_results(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"meta": meta, **results}, indent=2, default=str) + "\n")
+    path.write_text(dumps({"meta": meta, **results}) + "\n")
     (out_dir / f"{name}.md").write_text(markdown.rstrip("\n") + "\n\n" + metadata_markdown(meta))
     print(f"wrote {path} and {name}.md ({meta['wall_s']:.0f} s)", flush=True)
     return path
+
+
+def dumps(value: Any, indent: int = 0) -> str:
+    """JSON indented by 2, with each list or object of plain values on one line (a per-step log, one head's
+    figures), so that a results file stays short to read and to review.
+
+    Example:
+        >>> print(dumps({"loss": [0.5, 0.25], "grid": [[1, None], [3, 4]], "head": {"layer": 1, "name": "a, b"}}))
+        {
+          "loss": [0.5, 0.25],
+          "grid": [
+            [1, null],
+            [3, 4]
+          ],
+          "head": {"layer": 1, "name": "a, b"}
+        }
+    """
+    children = (
+        list(value.values()) if isinstance(value, dict) else list(value) if isinstance(value, list | tuple) else []
+    )
+    if not any(isinstance(child, dict | list | tuple) for child in children):  # a plain value, or plain values
+        return json.dumps(value, default=str)
+    pad = " " * (indent + 2)
+    if isinstance(value, dict):
+        inner = [f"{pad}{json.dumps(str(k))}: {dumps(v, indent + 2)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(inner) + "\n" + " " * indent + "}"
+    return "[\n" + ",\n".join(f"{pad}{dumps(v, indent + 2)}" for v in value) + "\n" + " " * indent + "]"
 
 
 def metadata_markdown(meta: dict[str, Any]) -> str:

@@ -18,12 +18,17 @@ Evaluated, for the base model and every trained one:
 
     python benchmarks/decoder_syntax_prior.py                 # 3 seeds x (LM, prior), 60 steps of 8 sentences
     python benchmarks/decoder_syntax_prior.py --quick         # tiny random Llama, a few sentences, to a temp folder
+
+It writes `results.md` and `results.json`, a compact summary (metadata, settings, and per arm, seed and split the
+figures the tables quote: the supervised head and its key/value siblings, per relation too); `--grids` also writes
+`grids.json`, every head's parent accuracy for every evaluation (about 1 MB, not committed).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import time
 
@@ -157,6 +162,32 @@ def syntax_scores(model, tokenizer, sentences, args, layers: list[int] | None = 
         "perplexity": math.exp(total / max(tokens, 1)),
         "predicted_tokens": tokens,
     }
+
+
+def compact(report: dict, args) -> dict:
+    """`report` without the per-head grids: in each evaluation, each split's (and each relation's) `accuracy` grid
+    gives way to `supervised`, the supervised head's figure (a split also keeps its key/value `siblings`: what
+    `markdown` quotes); the rest is kept as it is."""
+    layer, head, size = args.layer, args.head, report["setup"]["heads_per_kv_head"]
+    siblings = [h for h in range(head // size * size, (head // size + 1) * size) if h != head]
+
+    def without_grid(result: dict, **more) -> dict:
+        kept = {key: value for key, value in result.items() if key != "accuracy"}
+        return {**kept, "supervised": result["accuracy"][layer][head], **more}
+
+    def evaluation(result: dict) -> dict:
+        out = dict(result)
+        for split in result["perplexity"]:
+            grid = result[split]["accuracy"]
+            relations = {name: without_grid(r) for name, r in result[split]["relations"].items()}
+            out[split] = without_grid(result[split], siblings=[grid[layer][h] for h in siblings], relations=relations)
+        return out
+
+    runs = {
+        seed: {arm: {**run, "eval": evaluation(run["eval"])} for arm, run in arms.items()}
+        for seed, arms in report["runs"].items()
+    }
+    return {**report, "base": evaluation(report["base"]), "runs": runs, "sibling_heads": siblings}
 
 
 def _grid(accuracy: torch.Tensor) -> list[list[float | None]]:
@@ -450,7 +481,8 @@ def markdown(report: dict, args) -> str:
             f"{arm} {np.median([report['runs'][str(s)][arm]['train']['seconds'] for s in args.seeds]):.0f}"
             for arm in arms
         )
-        + f" (median); {n} seeds. Per-seed values and every head's accuracy are in the JSON.",
+        + f" (median); {n} seeds. Per-seed values are in results.json; every head's accuracy in grids.json "
+        "(rerun with --grids).",
         "",
     ]
     return "\n".join(lines)
@@ -496,6 +528,7 @@ def main() -> None:
     parser.add_argument("--eval-batch", type=int, default=32)
     parser.add_argument("--agreement", type=int, default=150, help="prefixes per number of attractors (0, 1, 2)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--grids", action="store_true", help="also write grids.json: every head of every evaluation")
     add_output_arguments(parser, "tiny random Llama, 64 training sentences, 2 steps, 1 seed")
     args = parser.parse_args()
     args.out = output_dir(args, "decoder_syntax_prior")
@@ -551,7 +584,13 @@ def main() -> None:
     }
     report["summary"] = summarize(report, args)
     text = markdown(report, args)
-    write_results(args.out, report, text, args)
+    write_results(args.out, compact(report, args), text, args)
+    if args.grids:
+        grids = {
+            "base": report["base"],
+            "runs": {seed: {a: r["eval"] for a, r in arms.items()} for seed, arms in runs.items()},
+        }
+        (args.out / "grids.json").write_text(json.dumps(grids, separators=(",", ":")) + "\n")
     print(text)
 
 
