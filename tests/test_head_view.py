@@ -223,3 +223,16 @@ def test_jupyter_repr_is_an_isolated_frame():
     view = HeadView(models=[], documents=[], top_k=0)
     frame = view._repr_html_()
     assert frame.startswith("<iframe srcdoc=") and "&lt;script" in frame and "<script" not in frame
+
+
+def test_progress_is_quiet_off_a_terminal(tokenizer, sentences, capsys):
+    """The progress bars (analyze, head importance, the view's pass) write nothing where stderr is no terminal."""
+    from attnreg.analysis import analyze
+    from attnreg.methods.pruning import head_importance
+
+    model = tiny_model("bert", vocab=len(tokenizer)).eval()
+    analyze(model, tokenizer, sentences, batch_size=2)
+    head_view(model, tokenizer, sentences[:2])
+    classifier = tiny_model("bert", head="classification", vocab=len(tokenizer))
+    head_importance(classifier, [{"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}] * 2)
+    assert capsys.readouterr().err == ""

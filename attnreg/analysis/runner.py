@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pytorch_utils import Conv1D
 
@@ -143,7 +144,7 @@ def analyze(
     attention of all layers of a batch (`layers x B x H x T^2` floats, faster on short inputs); None (the
     default) takes the blockwise path for batches longer than `BLOCKWISE_LENGTH` tokens. Both give the same
     figures. `similarity` keeps the hidden states of every layer of a batch on either path: turn it off for
-    long documents.
+    long documents. A progress bar (sequences and tokens per second) shows on a terminal.
 
     Example:
         >>> import torch
@@ -190,6 +191,9 @@ def analyze(
         options["use_cache"] = False  # a decoder's cache would keep every layer's keys and values
     was_training = model.training
     model.eval()
+    progress = tqdm(
+        total=len(sentences) if sentences is not None else None, desc="analyze", unit="seq", disable=None, leave=False
+    )  # quiet unless stderr is a terminal
     try:
         with _output_norms(hub, enabled=statistics) as norms:
             for inputs, targets in batches:
@@ -226,7 +230,12 @@ def analyze(
                 result.tokens += int(mask.sum())
                 del output
                 norms.clear()
+                progress.update(mask.shape[0])
+                if not progress.disable:
+                    rate = result.tokens / max(progress.format_dict["elapsed"], 1e-9)
+                    progress.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
     finally:
+        progress.close()
         model.train(was_training)
     result.seconds = time.perf_counter() - started
     return result

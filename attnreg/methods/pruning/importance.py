@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from attnreg.families import detect_family
 from attnreg.heads import HeadSpec, head_numbers
@@ -31,7 +32,8 @@ def head_importance(
 
     Batches are dicts passed as `model(**batch)`; the loss is `loss_fn(output, batch)` or the
     model's own `output.loss`. Heads in `masked` (original numbers) are held at g = 0 meanwhile. Runs
-    in eval mode (no dropout); the model's weights, gates, grads and modes are left as they were.
+    in eval mode (no dropout); the model's weights, gates, grads and modes are left as they were. A progress bar
+    shows on a terminal.
     Returns one tensor per layer, indexed by the heads' current positions (see `head_numbers`).
 
     Example:
@@ -46,7 +48,8 @@ def head_importance(
     batches = 0
     with _evaluation_gates(model, masked or {}) as gates:
         device = next(model.parameters()).device
-        for batch in dataloader:
+        total = len(dataloader) if hasattr(dataloader, "__len__") else None
+        for batch in tqdm(dataloader, total=total, desc="head importance", unit="batch", disable=None, leave=False):
             batch = {
                 key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()
             }
