@@ -6,6 +6,7 @@ Chromium in `.ci/run`)."""
 import base64
 import copy
 import importlib.util
+import json
 import math
 import shutil
 import warnings
@@ -236,3 +237,27 @@ def test_progress_is_quiet_off_a_terminal(tokenizer, sentences, capsys):
     classifier = tiny_model("bert", head="classification", vocab=len(tokenizer))
     head_importance(classifier, [{"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}] * 2)
     assert capsys.readouterr().err == ""
+
+
+def test_analyze_command_writes_the_view(tokenizer, sentences, tmp_path):
+    """`attnreg-analyze MODEL DATA --html FILE --compare OTHER` writes the view beside the report."""
+    from attnreg.app.analyze import main
+
+    for seed, name in [(0, "model"), (1, "other")]:
+        tiny_model("bert", vocab=len(tokenizer), seed=seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    rows = []
+    for sentence in sentences:
+        rows.append(f"# text = {sentence.text}")
+        words = zip(sentence.words, sentence.heads, sentence.relations, strict=True)
+        for number, (word, head, relation) in enumerate(words, 1):
+            rows.append(f"{number}\t{word}\t_\t_\t_\t_\t{head}\t{relation}\t_\t_")
+        rows.append("")
+    (tmp_path / "dev.conllu").write_text("\n".join(rows) + "\n")
+    html = tmp_path / "view" / "heads.html"
+    arguments = [str(tmp_path / "model"), str(tmp_path / "dev.conllu"), "--out", str(tmp_path / "report"), "--no-plots"]
+    assert main([*arguments, "--html", str(html), "--html-sentences", "3", "--compare", str(tmp_path / "other")]) == 0
+    page = html.read_text()
+    data = json.loads(page.split('id="attnreg-data">')[1].split("</script>")[0].replace("<\\/", "</"))
+    assert [model["name"] for model in data["models"]] == [str(tmp_path / "model"), str(tmp_path / "other")]
+    assert len(data["documents"]) == 3 and data["documents"][0]["words"] == list(sentences[0].words)

@@ -22,6 +22,11 @@ Inputs longer than `attnreg.analysis.BLOCKWISE_LENGTH` tokens (`--max-length` ab
 layer's queries and keys in blocks of `--block-size` query rows, never building `[T, T]` attention;
 `--blockwise on` / `off` chooses for every batch (the figures are the same).
 
+`--html FILE` also writes the interactive head view of the first `--html-sentences` sentences (one self-contained
+HTML file, `attnreg.analysis.head_view`), with `--compare MODEL` a second checkpoint beside the first:
+
+    attnreg-analyze ./pruned ../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu --html heads.html --compare ./minilm
+
 The example runs `main` (it takes the command line's arguments) on a tiny random model and one tree.
 
 Example:
@@ -79,6 +84,7 @@ from attnreg.analysis import (
     RoleThresholds,
     analyze,
     check_tokenizer,
+    head_view,
     token_importance,
 )
 from attnreg.analysis.blocks import BLOCK_SIZE
@@ -552,6 +558,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
+    parser.add_argument(
+        "--html", metavar="FILE", help="also write the interactive head view (attnreg.analysis.head_view), one file"
+    )
+    parser.add_argument("--html-sentences", type=int, default=50, help="sentences in the head view (the first N)")
+    parser.add_argument(
+        "--compare", metavar="MODEL", help="a second checkpoint shown beside MODEL in the head view (same --base)"
+    )
     group = parser.add_argument_group("role thresholds (attnreg.analysis.RoleThresholds)")
     for name, value in vars(RoleThresholds()).items():
         group.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=f"default {value}")
@@ -583,6 +596,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, tokenizer = load_model(args.model, args.base, args.tokenizer, args.trust_checkpoint)
         sentences = load_sentences(args.data, args.data_format, args.limit)
         _check_tokenizer(tokenizer, sentences)
+        compare = None
+        if args.compare:
+            compare = load_model(args.compare, args.base, args.tokenizer, args.trust_checkpoint)[0]
     except InputError as error:
         parser.exit(2, f"attnreg-analyze: error: {error}\n")
     if not 0 <= args.example < len(sentences):
@@ -615,6 +631,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         plots=not args.no_plots,
     )
     print(f"analyzed {analysis.sequences} sentences in {time.perf_counter() - started:.1f} s; report in {out}")
+    if args.html:
+        view = head_view(
+            model,
+            tokenizer,
+            sentences[: args.html_sentences],
+            compare=compare.to(args.device) if compare is not None else None,
+            names=[args.model] + ([args.compare] if compare is not None else []),
+            max_length=args.max_length,
+            block_size=args.block_size,
+        )
+        print(f"head view of {len(view.documents)} sentences in {view.save(args.html)}")
     return 0
 
 
