@@ -45,6 +45,8 @@ class Sentence:
     `heads[i]` is the 1-based index of word i's head (0 for the root); `text` is the surface text;
     `spans[i]` the character span of word i in `text` (None: found by searching the words in order,
     see `word_spans`). `source` and `line` say where the sentence came from, for error messages.
+    From a CoNLL-U file each word also keeps its `lemmas`, `upos`, `xpos` and `feats` (the FEATS column as
+    written, "_" for none; `feature` reads one); None where the sentence was built otherwise.
 
     Example:
         >>> sentence = Sentence("s1", ("The", "keys", "rattle"), (2, 3, 0), ("det", "nsubj", "root"), "The keys rattle")
@@ -52,6 +54,8 @@ class Sentence:
         'rattle'
         >>> sentence.where
         'sent_id s1'
+        >>> Sentence("s2", ("Keys",), (0,), ("root",), "Keys", feats=("Number=Plur",)).feature(0, "Number")
+        'Plur'
     """
 
     sent_id: str
@@ -62,13 +66,31 @@ class Sentence:
     source: str = ""
     line: int = 0
     spans: tuple[tuple[int, int], ...] | None = None
+    lemmas: tuple[str, ...] | None = None
+    upos: tuple[str, ...] | None = None
+    xpos: tuple[str, ...] | None = None
+    feats: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.words) == len(self.heads) == len(self.relations):
             raise ConlluError(
                 f"{self.where}: {len(self.words)} words, {len(self.heads)} heads and {len(self.relations)} relations"
             )
+        for name in ("lemmas", "upos", "xpos", "feats"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.words):
+                raise ConlluError(f"{self.where}: {len(values)} {name} for {len(self.words)} words")
         check_tree(self.heads, self.where)
+
+    def feature(self, word: int, name: str) -> str | None:
+        """The value of feature `name` (as "Number") of word `word` (0-based), None where it has none."""
+        if self.feats is None:
+            return None
+        for pair in self.feats[word].split("|"):
+            key, _, value = pair.partition("=")
+            if key == name:
+                return value
+        return None
 
     @property
     def where(self) -> str:
@@ -170,7 +192,16 @@ def _sentence(lines: list[str], path: Path, start: int) -> Sentence:
         source=str(path),
         line=start,
         spans=_surface_spans(tokens, text, where),
+        lemmas=tuple(token["lemma"] or "_" for token in words),
+        upos=tuple(token["upos"] or "_" for token in words),
+        xpos=tuple(token["xpos"] or "_" for token in words),
+        feats=tuple(_feats(token["feats"]) for token in words),
     )
+
+
+def _feats(feats: dict[str, str] | None) -> str:
+    """The FEATS column as written ("_" for none), from the `conllu` parser's dict."""
+    return "|".join(f"{key}={value}" for key, value in feats.items()) if feats else "_"
 
 
 def surface_text(tokens: conllu.TokenList) -> str:
