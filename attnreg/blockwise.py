@@ -103,8 +103,9 @@ def row_entropy(
         >>> round(row_entropy(zero, zero, None, 0.5, causal=True, sinks=torch.zeros(1))[0, 0, 0].item(), 4)
         0.6931
     """
-    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap, sinks)
-    return torch.cat([_BlockEntropy.apply(*block[:8]) for block in blocks], dim=-1)
+    blocks, order = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap, sinks)
+    entropy = torch.cat([torch.cat([_BlockEntropy.apply(*part[:8]) for part in row], 1) for row in blocks], -1)
+    return _in_order(entropy, order)
 
 
 def prior_cross_entropy(
@@ -136,19 +137,19 @@ def prior_cross_entropy(
         >>> prior_cross_entropy(query, key, None, parents, 0.5, heads=[1], causal=True)[0, 0, [0, 3]]
         tensor([0., 0.])
     """
-    blocks = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap, sinks)
+    blocks, order = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap, sinks)
     if prior.dim() == 2 and not mean_attention:
-        return torch.cat([_BlockParentNLL.apply(*block[:8], prior[:, block.rows]) for block in blocks], dim=-1)
+        nll = [torch.cat([_BlockParentNLL.apply(*part[:8], prior[:, part.rows]) for part in row], 1) for row in blocks]
+        return _in_order(torch.cat(nll, dim=-1), order)
 
-    def cross_entropy(block: _Block) -> torch.Tensor:
-        scores = _scores(
-            block.query, block.key, block.sink, block.mask, block.causal_rows, block.scaling, block.softcap
-        )
-        rows, seen = block.rows, block.key.shape[2]
-        if mean_attention:
-            log_p = torch.softmax(scores, dim=-1)[..., :seen].mean(1, keepdim=True).clamp_min(_TINY).log()
-        else:
-            log_p = torch.log_softmax(scores, dim=-1)[..., :seen].clamp_min(_LOG_TINY)  # the sink's column dropped
+    def cross_entropy(row: list[_Block]) -> torch.Tensor:
+        scores = [_scores(b.query, b.key, b.sink, b.mask, b.causal_rows, b.scaling, b.softcap) for b in row]
+        rows, seen = row[0].rows, row[0].key.shape[2]
+        if mean_attention:  # the mean over every chosen head, whichever key/value head each shares
+            total = sum(torch.softmax(part, dim=-1)[..., :seen].sum(1, keepdim=True) for part in scores)
+            log_p = (total / sum(part.shape[1] for part in scores)).clamp_min(_TINY).log()
+        else:  # the sink's column dropped
+            log_p = torch.cat([torch.log_softmax(part, dim=-1)[..., :seen] for part in scores], 1).clamp_min(_LOG_TINY)
         if prior.dim() == 3:  # keys after a causal block read the clamp, as masked keys do
             unseen = prior[:, None, rows, seen:].float().sum(-1) * -_LOG_TINY
             return unseen - (prior[:, None, rows, :seen].float() * log_p).sum(-1)
@@ -157,10 +158,8 @@ def prior_cross_entropy(
         return torch.where(parents >= seen, _LOG_TINY, chosen.squeeze(-1)).neg() * (parents >= 0)
 
     recompute = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
-    parts = [
-        checkpoint(cross_entropy, block, use_reentrant=False) if recompute else cross_entropy(block) for block in blocks
-    ]
-    return torch.cat(parts, dim=-1)
+    parts = [checkpoint(cross_entropy, row, use_reentrant=False) if recompute else cross_entropy(row) for row in blocks]
+    return torch.cat(parts, dim=-1) if mean_attention else _in_order(torch.cat(parts, dim=-1), order)
 
 
 def attention_entropy(
@@ -279,8 +278,14 @@ def _blocks(
     block_size: int,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-) -> list[_Block]:
-    """The chosen heads of a layer in blocks of `block_size` queries."""
+) -> tuple[list[list[_Block]], list[int] | None]:
+    """The chosen heads of a layer in blocks of `block_size` queries: per block of rows, one `_Block` per set of
+    query heads that share their key/value heads evenly (one set, unless the chosen heads cover the key/value heads
+    unevenly), the heads sorted; and the order that puts the sorted heads back as `heads` lists them (None: as is).
+
+    Grouped-query keys are never repeated: a block's `c` query heads per key/value head are computed against their
+    one key (`_scores` folds them into its rows), and a set's heads and keys are views of the layer's where they
+    are contiguous (all heads; one head), so nothing more is kept for backward than SDPA keeps."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if softcap is not None and sinks is not None:
@@ -289,33 +294,56 @@ def _blocks(
         raise ValueError(
             f"sinks must hold one logit per query head, shape ({query.shape[1]},), got {tuple(sinks.shape)}"
         )
-    if heads is not None:
-        heads = list(heads)
-        groups = query.shape[1] // key.shape[1]
-        key = key[:, [head // groups for head in heads]]  # each chosen query head's key/value head
-        query = query[:, heads]
-        temperature = None if temperature is None else temperature[heads]
-        sinks = None if sinks is None else sinks[heads]
-    elif query.shape[1] != key.shape[1]:
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # as repeat_kv: one per query head
-    if temperature is not None:
-        query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
-        sinks = None if sinks is None else sinks / temperature.to(sinks.dtype)
-    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1 and heads is not None:
-        attention_mask = attention_mask[:, heads]
+    kv_heads = key.shape[1]
+    if kv_heads == 0 or query.shape[1] % kv_heads:
+        raise ValueError(f"{query.shape[1]} query heads cannot share {kv_heads} key/value heads evenly")
+    group = query.shape[1] // kv_heads
+    chosen = list(range(query.shape[1])) if heads is None else list(heads)
+    ranked = sorted(range(len(chosen)), key=lambda i: chosen[i])
+    order = None if ranked == list(range(len(chosen))) else sorted(range(len(chosen)), key=lambda i: ranked[i])
+    shared: dict[int, list[int]] = {}
+    for head in sorted(chosen):
+        shared.setdefault(head // group, []).append(head)
+    even = len({len(members) for members in shared.values()}) == 1
+    sets = [sorted(chosen)] if even else list(shared.values())
+    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
+    parts = []
+    for members in sets:
+        part_query, part_key = _heads(query, members), _heads(key, sorted({head // group for head in members}))
+        part_sinks = None if sinks is None else sinks[members]
+        if temperature is not None:
+            divide = temperature[members].to(query.dtype).reshape(1, -1, 1, 1)
+            part_query = part_query / divide
+            part_sinks = None if part_sinks is None else part_sinks / temperature[members].to(part_sinks.dtype)
+        part_mask = _heads(attention_mask, members) if per_head_mask else attention_mask
+        parts.append((part_query, part_key, part_sinks, part_mask))
     queries, keys = query.shape[2], key.shape[2]
     blocks = []
     for start in range(0, queries, block_size):
         rows = slice(start, min(start + block_size, queries))
         seen = min(keys, rows.stop + keys - queries) if causal else keys  # later keys are masked anyway
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask[..., rows, :seen] if attention_mask.shape[-2] > 1 else attention_mask[..., :seen]
         causal_rows = (start, keys - queries) if causal and queries > 1 else None
-        blocks.append(
-            _Block(query[:, :, rows], key[:, :, :seen], sinks, mask, causal_rows, keys, scaling, softcap, rows)
-        )
-    return blocks
+        row = []
+        for part_query, part_key, part_sinks, part_mask in parts:
+            mask = None
+            if part_mask is not None:
+                mask = part_mask[..., rows, :seen] if part_mask.shape[-2] > 1 else part_mask[..., :seen]
+            block_query, block_key = part_query[:, :, rows], part_key[:, :, :seen]
+            row.append(_Block(block_query, block_key, part_sinks, mask, causal_rows, keys, scaling, softcap, rows))
+        blocks.append(row)
+    return blocks, order
+
+
+def _heads(tensor: torch.Tensor, heads: list[int]) -> torch.Tensor:
+    """`tensor[:, heads]`: a view where `heads` are contiguous, else a copy of those heads (never a repeat)."""
+    if heads == list(range(heads[0], heads[0] + len(heads))):
+        return tensor[:, heads[0] : heads[0] + len(heads)]
+    return tensor[:, heads]
+
+
+def _in_order(values: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    """Per-head values `[B, h, T]` of the sorted heads, in the order the caller listed them."""
+    return values if order is None else values[:, order]
 
 
 def _scores(
@@ -335,7 +363,8 @@ def _scores(
     A causal block masks only the keys its causal edge crosses: every row sees the keys up to its first row's
     own (`first + offset`), so only the last `rows - 1` keys of the block (the causal block stops at its last row's
     key) get a causal mask, not the whole `[rows, S']`."""
-    scores = torch.matmul(query * scaling, key.transpose(-1, -2)).float()  # scaling the small operand
+    scores = torch.matmul(_folded(query, key) * scaling, key.transpose(-1, -2))  # scaling the small operand
+    scores = scores.reshape(query.shape[:3] + (key.shape[2],)).float()  # [B, h, rows, S']: a view of the above
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap  # not in place: tanh keeps its output for backward
     if mask is not None and mask.dtype == torch.bool:
@@ -353,6 +382,14 @@ def _scores(
         column = sink.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, column], dim=-1)
     return scores
+
+
+def _folded(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """A block's query heads `[B, h, r, d]` as rows of their key/value heads `[B, h_kv, (h / h_kv) r, d]` (the heads
+    of a key/value head are consecutive, as `repeat_kv` orders them): one matmul against the shared keys gives every
+    head's scores, and no key is repeated. A view when `h = h_kv`."""
+    batch, heads, rows, dim = query.shape
+    return query if heads == key.shape[1] else query.reshape(batch, key.shape[1], heads // key.shape[1] * rows, dim)
 
 
 def _probabilities(ctx, query, key, sink, mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,7 +417,10 @@ def _key_gradients(
         dsink = dscores[..., -1].sum((0, 2)).to(sink.dtype)
         dscores = dscores[..., :-1]
     dscores, scaling = dscores.to(query.dtype), ctx.block[2]
-    dquery, dkey = (dscores @ key).mul_(scaling), (dscores.transpose(-1, -2) @ query).mul_(scaling)
+    folded = _folded(query, key)  # a key/value head's gradient sums over the query heads that share it
+    dscores = dscores.reshape(folded.shape[:3] + (key.shape[2],))
+    dquery = (dscores @ key).mul_(scaling).reshape(query.shape)
+    dkey = (dscores.transpose(-1, -2) @ folded).mul_(scaling)
     return dquery, dkey, dsink, *[None] * (ctx.arguments - 3)
 
 
