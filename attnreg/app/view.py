@@ -1,0 +1,105 @@
+"""`python -m attnreg.app.view RUN_DIR`: the head view of an `attnreg-train` run, its best checkpoint beside the
+model it started from, on the run's held-out sentences with gold trees, its supervised heads marked.
+
+`make demo` trains the default run (the built-in agreement task, the syntax prior on head 0 of every layer) into
+`outputs/demo` and writes `outputs/demo/head_view.html` this way. The run folder is Hydra's: `.hydra/config.yaml`
+rebuilds the data and the model as the run began, `summary.json` names the best checkpoint and the heads the syntax
+prior supervised.
+
+Example:
+    >>> import sys, tempfile
+    >>> from unittest import mock
+    >>> from attnreg.app.train import main as train_main
+    >>> run_dir = Path(tempfile.mkdtemp())
+    >>> run = ["data.train=64", "data.val=32", "data.test=16", "data.hard=16", "trainer.max_epochs=1"]
+    >>> quiet = ["trainer.enable_progress_bar=false", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    >>> with mock.patch.object(sys, "argv", ["attnreg-train", *run, *quiet, f"hydra.run.dir={run_dir}"]):
+    ...     train_main()
+    attnreg-train: ...
+    >>> main([str(run_dir), "--sentences", "4"])
+    head view of the supervised heads L0H0, L1H0 (4 sentences): .../head_view.html
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from attnreg.analysis import HeadView, head_view
+from attnreg.app.analyze import _load_checkpoint
+from attnreg.app.configs import register_resolvers
+from attnreg.app.models import load_tokenizer
+from attnreg.hub import attach
+from attnreg.methods.pruning import restore_pruning
+
+
+def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = False) -> tuple[HeadView, str]:
+    """The head view of the run in `run_dir` (see the module docstring) on its first `sentences` held-out sentences,
+    and the supervised heads as text (`L0H0, L1H0`)."""
+    run_dir = Path(run_dir)
+    config, summary_file = run_dir / ".hydra" / "config.yaml", run_dir / "summary.json"
+    for needed in (config, summary_file):
+        if not needed.is_file():
+            raise FileNotFoundError(f"{needed} not found: give the folder of a finished attnreg-train run")
+    register_resolvers()
+    cfg = OmegaConf.load(config)
+    summary = json.loads(summary_file.read_text())
+    if not summary.get("checkpoint"):
+        raise FileNotFoundError(f"{summary_file} names no checkpoint: the run saved none")
+    if cfg.get("peft"):
+        raise NotImplementedError(f"{run_dir} trained a PEFT adapter: view its merged model (attnreg-analyze --html)")
+    supervised: dict[int, list[int]] = {}  # the heads the summary reports as supervised: "L0H0", ...
+    for name in (summary.get("parent_accuracy") or {}).get("supervised") or {}:
+        layer, head = map(int, re.fullmatch(r"L(\d+)H(\d+)", name).groups())
+        supervised.setdefault(layer, []).append(head)
+    tokenizer = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
+    data = instantiate(cfg.data, tokenizer=tokenizer, with_prior=False)
+    data.setup("fit")
+    held_out = data.tree_sentences()
+    if not held_out:
+        raise ValueError(f"the data of {run_dir} ({cfg.data._target_}) has no held-out sentences with gold trees")
+    start = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels).eval()  # as the run began
+    trained = copy.deepcopy(start)
+    checkpoint = _load_checkpoint(Path(summary["checkpoint"]), trust_checkpoint)
+    state = {key[len("model.") :]: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.")}
+    attach(trained)  # gates and temperatures in the state dict are created on load
+    restore_pruning(trained, checkpoint)
+    trained.load_state_dict(state, strict=True)
+    view = head_view(
+        trained.eval(),
+        data.tokenizer,
+        held_out[:sentences],
+        compare=start,
+        names=["trained", "at the start"],
+        supervised=supervised,
+        max_length=data.max_length,
+        title=f"attnreg head view: {run_dir}",
+    )
+    heads = [f"L{layer}H{head}" for layer, chosen in supervised.items() for head in chosen]
+    return view, ", ".join(heads) or "none"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write `RUN_DIR/head_view.html` (or `--out FILE`) and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m attnreg.app.view", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="the Hydra run folder of an attnreg-train run")
+    parser.add_argument("--out", help="the HTML file (default RUN_DIR/head_view.html)")
+    parser.add_argument("--sentences", type=int, default=32, help="held-out sentences in the view")
+    parser.add_argument("--trust-checkpoint", action="store_true", help="load a checkpoint that holds more than data")
+    args = parser.parse_args(argv)
+    view, heads = view_run(args.run_dir, args.sentences, args.trust_checkpoint)
+    path = view.save(args.out or Path(args.run_dir) / "head_view.html")
+    print(f"head view of the supervised heads {heads} ({len(view.documents)} sentences): {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
