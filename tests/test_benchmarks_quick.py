@@ -28,6 +28,7 @@ SCRIPTS = {
     "agreement_prior": ((), "results.json"),
     "cola_syntax_prior": (("cola", "ud_english_ewt", "minilm", "spacy"), "results.json"),
     "cola_syntax_prior_summary": ((), "summary.json"),
+    "decoder_agreement": (("ud_english_ewt",), "results.json"),
     "decoder_analysis": ((), "results.json"),
     "decoder_pruning": ((), "results.json"),
     "decoder_syntax_prior": ((), "results.json"),
