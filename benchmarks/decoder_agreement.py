@@ -20,6 +20,7 @@ Per prior arm, paired differences against the LM arm over seeds (mean ± sd, pai
 
     python benchmarks/decoder_agreement.py                   # 5 seeds x 4 arms, 300 steps of 8 (a GPU run)
     python benchmarks/decoder_agreement.py --quick           # tiny random Llama, a few sentences, to a temp folder
+    python benchmarks/decoder_agreement.py --pairs-only --run pairs   # no model: pairs, baselines, kind counts
 """
 
 from __future__ import annotations
@@ -313,6 +314,29 @@ def load(args) -> tuple:
     return model, tokenizer, train_sentences, evaluation, "SmolLM2-135M-Instruct, float32"
 
 
+def pairs_only(args) -> None:
+    """No model: the minimal pairs of EWT dev and test (counts, baselines) and the kinds' rows on EWT train."""
+    from attnreg.syntax.agreement import baselines
+    from attnreg.syntax.agreement import counts as pair_counts
+
+    train_sentences = read_ewt("train", min_words=args.min_words)
+    kinds = SyntaxPriorKL(kinds={spec: [0] for spec in ("nsubj", "det", "amod", "obj", "parent")}).kind_priors
+    kind_counts = describe_counts(check_priors(train_sentences, kinds, causal=True), causal=True)
+    report: dict = {"setup": {"quick": False, "train_sentences": len(train_sentences)}, "kind_counts": kind_counts}
+    lines = ["# Agreement minimal pairs from EWT (no model)", "", "Kinds on EWT train (causal):", ""]
+    lines += [f"- {line}" for line in kind_counts.splitlines()] + [""]
+    rows = []
+    for split in ("dev", "test"):
+        pairs = minimal_pairs(read_ewt(split))
+        report[split] = {"counts": pair_counts(pairs), "baselines": baselines(pairs)}
+        for name, scores in report[split]["baselines"].items():
+            rows.append([split, name, *[f"{100 * scores[part]:.1f}" for part in SPLITS]])
+        rows.append([split, "pairs", *[report[split]["counts"][part] for part in SPLITS]])
+    lines += table(["split", "baseline", "without attractors", "with attractors", "all"], rows)
+    write_results(args.out, report, "\n".join(lines), args)
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -327,9 +351,12 @@ def main() -> None:
     parser.add_argument("--min-words", type=int, default=5, help="training sentences with at least this many words")
     parser.add_argument("--eval-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--pairs-only", action="store_true", help="no model: pair counts, baselines, kind counts")
     add_output_arguments(parser, "tiny random Llama, 64 EWT training sentences, 2 steps, 1 seed")
     args = parser.parse_args()
     args.out = output_dir(args, "decoder_agreement")
+    if args.pairs_only:
+        return pairs_only(args)
     if args.quick:
         args.seeds, args.steps, args.one, args.few, args.parent = args.seeds[:1], 2, "1:0", "1:0 1:2", "1:1"
         args.eval_batch = 16
