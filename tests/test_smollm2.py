@@ -133,3 +133,72 @@ def test_removing_a_key_value_group_equals_silencing_it_and_generates_alike(smol
     pruned_hub = attnreg.attach(pruned)
     assert pruned_hub.layers[LAYER] == attnreg.hub.LayerInfo(LAYER, 6, 2, 64)
     assert (logits(pruned, batch()) - removed).abs().max() <= 1e-5
+
+
+EWT_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud_english_ewt" / "en_ewt-ud-train.conllu.gz"
+VIEW_TOKENS, MEMORY_TARGET = 8192, 1.5  # the head view's document, and its peak memory against a plain forward's
+
+
+def step_peak_mib(step) -> float:
+    """Peak resident memory of `step()` in MiB: the kernel's high-water mark reset before it (/proc/self/clear_refs)
+    and read after it (VmHWM), as benchmarks/decoder_analysis.py measures; torch's CPU allocations included."""
+    import re
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pytest.skip("/proc/self/clear_refs cannot be written here: the peak of one step cannot be measured")
+    step()
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 1024
+
+
+def test_head_view_on_8192_tokens_within_budget_and_memory(smollm2):
+    """The head view of SmolLM2 (30 layers x 9 heads in 3 key/value groups) on one 8,192-token document stays
+    within its 25 MB budget and takes at most 1.5x the peak memory of a plain forward of the same model on the same
+    input (its base `LlamaModel` for both: the LM head's logits, 8,192 x 49,152 floats, would weigh alike)."""
+    import gc
+    import gzip
+    import itertools
+
+    from transformers import AutoTokenizer
+
+    from attnreg.analysis import head_view
+    from attnreg.analysis.head_view import BUDGET
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder(), gguf_file=GGUF)
+    if EWT_TRAIN.is_file():  # real English
+        with gzip.open(EWT_TRAIN, "rt", encoding="utf-8") as handle:
+            lines = itertools.islice(handle, 60_000)
+            text = " ".join(line[9:].strip() for line in lines if line.startswith("# text = "))
+    else:
+        from attnreg.app.task import generate
+
+        text = " ".join(example.sentence.text for example in generate(1200, seed=0))
+    ids = tokenizer(text, truncation=True, max_length=VIEW_TOKENS)["input_ids"]
+    assert len(ids) == VIEW_TOKENS
+    model = copy.deepcopy(smollm2.model).eval()  # the base LlamaModel; the fixture's model stays unattached
+    inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, VIEW_TOKENS, dtype=torch.long)}
+
+    def forward():
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+
+    views = []
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids[:16]]), use_cache=False)  # lazy initialisation out of the measurement
+        head_view(model, tokenizer, [tokenizer.decode(ids[:16])])
+    gc.collect()
+    forward_peak = step_peak_mib(forward)
+    gc.collect()
+    view_peak = step_peak_mib(lambda: views.append(head_view(model, tokenizer, [text], max_length=VIEW_TOKENS)))
+    view = views[0]
+    assert (view.layers, view.heads, len(view.documents[0]["tokens"])) == (30, 9, VIEW_TOKENS)
+    assert view.models[0]["groups"][0] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    size = len(view.html().encode())
+    print(
+        f"head view: {size / 1e6:.1f} MB, top {view.top_k} keys per query; peak {view_peak:.0f} MiB against a "
+        f"forward's {forward_peak:.0f} MiB ({view_peak / forward_peak:.2f}x)"
+    )
+    assert size <= BUDGET and view.top_k >= 1 and view.notes  # the page says that fewer keys were kept
+    assert view_peak <= MEMORY_TARGET * forward_peak, (view_peak, forward_peak)

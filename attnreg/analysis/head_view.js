@@ -285,7 +285,9 @@
   function redraw() {
     drawGrid(); drawTable(); headTitle(); drawText(); drawParse();
     document.body.dataset.layer = S.layer; document.body.dataset.head = S.head; document.body.dataset.doc = S.doc;
-    history.replaceState(null, "", "#doc=" + S.doc + "&layer=" + S.layer + "&head=" + S.head + "&stat=" + S.stat);
+    try { // the address names the choice, to share it; a sandboxed frame (Jupyter) may refuse
+      history.replaceState(null, "", "#doc=" + S.doc + "&layer=" + S.layer + "&head=" + S.head + "&stat=" + S.stat);
+    } catch (error) { /* nothing to share there */ }
   }
   function choose(l, h) { S.layer = l; S.head = h; redraw(); }
   docSel.onchange = () => { S.doc = +docSel.value; S.query = -1; layout = null; box.scrollTop = 0; redraw(); };
