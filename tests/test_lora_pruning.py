@@ -152,3 +152,162 @@ def test_a_pruned_base_and_its_adapter_save_and_load_to_the_same_logits(family, 
     alone = peft.PeftModel.from_pretrained(pruning.load_pruned(folder), tmp_path / "adapter")
     torch.testing.assert_close(logits(alone), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits(alone.merge_and_unload()), expected, rtol=1e-5, atol=1e-5)
+
+
+# -- gates trained beside LoRA, heads removed mid-run with the adapter, training going on ----------------------
+class Stream(torch.utils.data.IterableDataset):
+    """Fixed causal-LM examples in a fixed order, so a resumed run sees what the uninterrupted one saw."""
+
+    def __init__(self, count: int, length: int = 8):
+        ids = torch.randint(3, 99, (count, length), generator=torch.Generator().manual_seed(1))
+        self.items = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+GATES = {
+    "l1": lambda: attnreg.methods.L1Gates(weight=0.5),
+    "hard_concrete": lambda: attnreg.methods.HardConcreteGates(target_warmup=0.5, lagrangian_lr=0.05),
+}
+
+
+def lora_trainer(folder, gates, removal, max_steps=6, **options):
+    from conftest import sgd_arguments
+
+    from attnreg.integrations.hf import AttnRegTrainer
+
+    model = lora_model("llama").train()
+    arguments = sgd_arguments(folder, max_steps=max_steps, learning_rate=0.05, optim="adamw_torch", **options)
+    gating = attnreg.methods.HeadGating(GATES[gates](), removal)
+    return AttnRegTrainer(model=model, args=arguments, train_dataset=Stream(4 * max_steps), methods=[gating]), gating
+
+
+def adapters_fit_their_base(model):
+    for name, layer in adapter_layers(model).items():
+        for adapter in layer.lora_A:
+            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            assert a.shape[1] == layer.in_features and b.shape[0] == layer.out_features == out_features(layer), name
+
+
+@pytest.mark.parametrize("gates", ["l1", "hard_concrete"])
+def test_gates_train_beside_lora_in_the_trainer_and_heads_go_mid_run_with_the_adapter(tmp_path, gates):
+    trainer, gating = lora_trainer(tmp_path, gates, attnreg.methods.Removal(keep=4, after_steps=3))
+    trainer.train()
+    assert trainer.state.global_step == 6 and gating.pruned and gating.pruned_at_step == 3
+    base = trainer.model.get_base_model()
+    silenced = sum(len(heads) for heads in pruning.silenced_heads(base).values())  # the grouped-query rule's
+    assert sum(query for query, _ in gating.report.heads.values()) - silenced == 4
+    adapters_fit_their_base(trainer.model)
+    optimizer = trainer.optimizer
+    for parameter in (p for p in trainer.model.parameters() if p.requires_grad):  # Adam's moments fit, and moved on
+        assert optimizer.state[parameter]["exp_avg"].shape == parameter.shape
+        assert int(optimizer.state[parameter]["step"]) == 6
+
+
+def test_a_removal_failing_at_the_end_keeps_the_trained_model_and_adapter_gated(tmp_path, monkeypatch):
+    trainer, gating = lora_trainer(tmp_path, "l1", attnreg.methods.Removal(keep=4), max_steps=3)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("slicing went wrong")
+
+    monkeypatch.setattr(attnreg.methods.pruning, "prune_heads", fails)
+    with pytest.raises(RuntimeError, match=r"slicing went wrong\); nothing was folded or removed; the trained model"):
+        trainer.train()
+    rescue = tmp_path / "attnreg-unpruned"
+    hub = attnreg.hub_of(trainer.model)
+    assert sorted(hub.gates) == [0, 1] and not torch.equal(hub.gate(0).detach(), torch.ones(4))  # trained, not folded
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {path.name for path in rescue.iterdir()}
+    loaded = peft.PeftModel.from_pretrained(pruning.load_pruned(rescue), rescue)
+    torch.testing.assert_close(logits(loaded), logits(trainer.model), rtol=0, atol=0)
+
+
+def test_lightning_gates_beside_lora_keep_the_adapters_adam_moments_across_a_removal():
+    import lightning as L
+    from conftest import Classifier, fit
+
+    gating = attnreg.HeadGating(attnreg.methods.L1Gates(weight=0.5), attnreg.methods.Removal(keep=4, after_steps=2))
+    module = Classifier(lora_model("llama").train(), lr=0.05)
+    lora = {}  # optimizer state of every LoRA factor: just before the removal, and at the first step after
+
+    class Take(L.Callback):
+        def __init__(self, when):
+            self.when = when
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if self.when(trainer) and self.when not in lora:
+                optimizer = trainer.optimizers[0]
+                named = pl_module.model.named_parameters()
+                lora[self.when] = {n: copy.deepcopy(optimizer.state[p]) for n, p in named if "lora_" in n}
+
+    before, after = (lambda t: t.global_step == 2 and not gating.pruned), (lambda t: gating.pruned)
+    items = Stream(16).items
+    batches = [torch.utils.data.default_collate(items[i : i + 4]) for i in range(0, 16, 4)]
+    fit(module, batches, [Take(before), gating, Take(after)])  # `after`: right after the removal, same batch end
+    assert gating.pruned and gating.report.removed
+    silenced = pruning.silenced_heads(module.model.get_base_model())  # heads the grouped-query rule kept
+    for layer, heads in gating.report.removed.items():
+        kept = [head for head in range(4) if head not in heads]
+        rows = (torch.tensor(kept)[:, None] * 8 + torch.arange(8)).reshape(-1)
+        groups = sorted({head // 2 for head in kept})
+        kv_rows = (torch.tensor(groups)[:, None] * 8 + torch.arange(8)).reshape(-1)
+        prefix = f"base_model.model.model.layers.{layer}.self_attn"
+        for name, index, dim in [
+            (f"{prefix}.q_proj.lora_B.default.weight", rows, 0),
+            (f"{prefix}.k_proj.lora_B.default.weight", kv_rows, 0),
+            (f"{prefix}.v_proj.lora_B.default.weight", kv_rows, 0),
+            (f"{prefix}.o_proj.lora_A.default.weight", rows, 1),
+        ]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                expected = lora[before][name][key].index_select(dim, index)
+                if name.endswith("lora_A.default.weight"):  # a silenced head's columns: zero, as its weights
+                    for head in silenced.get(layer, ()):
+                        expected[:, kept.index(head) * 8 : (kept.index(head) + 1) * 8] = 0
+                assert torch.equal(lora[after][name][key], expected), name
+        untouched = f"{prefix}.q_proj.lora_A.default.weight"  # r x hidden: no head in it
+        assert torch.equal(lora[after][untouched]["exp_avg"], lora[before][untouched]["exp_avg"])
+
+
+def every_weight(model) -> dict[str, torch.Tensor]:
+    """The base's weights too: the gates fold into them at the removal."""
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def assert_same(resumed: dict, whole: dict) -> None:
+    assert resumed.keys() == whole.keys() and any("lora_" in name for name in whole)
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_trainer_resumes_after_a_mid_run_removal_with_lora_to_the_uninterrupted_weights(tmp_path):
+    removal = attnreg.methods.Removal(keep=4, after_steps=3)
+    whole, _ = lora_trainer(tmp_path / "whole", "l1", removal, save_strategy="steps", save_steps=2)
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-4"  # after the removal at step 3
+    resumed, gating = lora_trainer(tmp_path / "resumed", "l1", removal, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    base = resumed.model.get_base_model()
+    assert gating.pruned and {**pruning.pruned_heads(base), **pruning.silenced_heads(base)}
+    assert_same(every_weight(resumed.model), every_weight(whole.model))
+
+
+def test_lightning_resumes_after_a_mid_run_removal_with_lora_to_the_uninterrupted_weights(tmp_path):
+    import lightning as L
+    from conftest import Classifier
+
+    items = Stream(8).items  # two steps an epoch: the checkpoint at step 4 ends an epoch, so the data resumes
+
+    def run(resume=None):
+        module = Classifier(lora_model("llama").train(), lr=0.05)
+        trainer = L.Trainer(
+            max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path,
+            callbacks=[attnreg.HeadGating(GATES["l1"](), attnreg.methods.Removal(keep=4, after_steps=3)),
+                       L.pytorch.callbacks.ModelCheckpoint(tmp_path, "step{step}", every_n_train_steps=2,
+                                                           save_top_k=-1, auto_insert_metric_name=False)],
+        )  # fmt: skip
+        trainer.fit(module, torch.utils.data.DataLoader(items, batch_size=4), ckpt_path=resume)
+        return every_weight(module)
+
+    whole = run()
+    assert_same(run(resume=str(tmp_path / "step4.ckpt")), whole)

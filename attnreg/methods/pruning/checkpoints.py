@@ -11,12 +11,14 @@ from torch.distributed.tensor import DTensor
 
 from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
 from attnreg.hub import GATE
-from attnreg.methods.pruning.gates import _hub_or_none
+from attnreg.methods.pruning.gates import _hub_or_none, folded_gates, refold_gates
 from attnreg.methods.pruning.surgery import prune_heads, silence_heads
 
 FOLDED_GATES = "attnreg_folded_gates"
 """Lightning checkpoint entry: layers whose gates were folded into the weights (so the checkpoint has none)."""
 GATES = "attnreg_gates"
+FOLDED_VALUES = "attnreg_folded_gate_values"
+"""Structure entry: the gate values folded into each layer's output projection at a removal (`folded_gates`)."""
 """Structure entry: the hub's gates at the save, by layer, with their values (a PEFT checkpoint has none)."""
 
 
@@ -32,13 +34,14 @@ def model_structure(model: nn.Module) -> dict[str, Any]:
         >>> _ = prune_heads(model, {0: [1, 2]})
         >>> model_structure(model)
         {'attnreg_pruned_heads': {'0': [1, 2]}, 'attnreg_silenced_heads': {},
-         'attnreg_gates': {'1': [1.0, 1.0, 1.0, 1.0]}}
+         'attnreg_gates': {'1': [1.0, 1.0, 1.0, 1.0]}, 'attnreg_folded_gate_values': {}}
     """
     record: dict[str, Any] = {}
     add_pruning_to_checkpoint(model, record)
     hub = _hub_or_none(model)
     gates = {} if hub is None else hub.gates
     record[GATES] = {str(layer): _values(gate) for layer, gate in sorted(gates.items())}
+    record[FOLDED_VALUES] = {str(layer): values for layer, values in sorted(folded_gates(model).items())}
     return record
 
 
@@ -63,6 +66,7 @@ def restore_structure(model: nn.Module, record: dict[str, Any]) -> PruneReport |
     hub = _hub_or_none(model)
     folded = [layer for layer in ({} if hub is None else hub.gates) if layer not in recorded]
     report = restore_pruning(model, {**record, FOLDED_GATES: folded, "state_dict": {}})
+    refold_gates(model, record.get(FOLDED_VALUES, {}))  # the base's weights, where the checkpoint lacks them
     with torch.no_grad():
         for layer, values in recorded.items():
             gate = None if hub is None else hub.gates.get(layer)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from attnreg.hub import GATE, AttentionHub, hub_of
+from attnreg import weights
+from attnreg.families import detect_family
+from attnreg.hub import GATE, AttentionHub, gate_values, hub_of
 from attnreg.methods.pruning.optimizer_state import _as_list, drop_from_optimizer
+
+FOLDED = "_attnreg_folded_gates"  # on the transformers model: {layer: gate values folded into its output projection}
 
 
 def fold_gates(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> list[nn.Parameter]:
@@ -37,11 +41,71 @@ def fold_gates(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = (
     if hub is None:
         return []
     removed = []
+    record = folded_gates(hub.model)
     for layer in list(hub.gates):
+        with torch.no_grad():
+            values = gate_values(hub.gates[layer], deterministic=True).detach().float().cpu()
+        earlier = record.get(layer)
+        record[layer] = (values * torch.tensor(earlier) if earlier is not None else values).tolist()
         removed += _remove_gate(hub, layer, fold=True)
+    setattr(hub.model, FOLDED, record)
     for optimizer in _as_list(optimizers):
         drop_from_optimizer(optimizer, removed)
     return removed
+
+
+def folded_gates(model: nn.Module) -> dict[int, list[float]]:
+    """The gate values `fold_gates` folded into each layer's output projection (per current head), by layer: what a
+    checkpoint that lacks the base weights (a PEFT adapter's) needs to fold them again (`refold_gates`).
+
+    Example:
+        >>> from attnreg.hub import attach
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert"); hub = attach(model)
+        >>> _ = hub.gate(1).data.copy_(torch.tensor([1.0, 0.5, 0.0, 2.0]))
+        >>> _ = fold_gates(model); folded_gates(model)
+        {1: [1.0, 0.5, 0.0, 2.0]}
+    """
+    return dict(getattr(_transformers_model(model), FOLDED, {}))
+
+
+def refold_gates(model: nn.Module, values: Mapping[int, Sequence[float]]) -> None:
+    """Fold recorded gate values (`folded_gates` of the model a checkpoint was taken from) into the output
+    projections of a model rebuilt for a resume, its heads already removed as they were; a layer's gate, if
+    the method made one again, is taken off unfolded. Weights the checkpoint holds load over the result; a PEFT
+    checkpoint holds only the adapter, whose frozen base gets its folded gates this way.
+
+    Example:
+        >>> from attnreg.hub import attach
+        >>> from attnreg.tiny import tiny_model
+        >>> trained, fresh = tiny_model("bert"), tiny_model("bert")
+        >>> _ = attach(trained).gate(0).data.copy_(torch.tensor([1.0, 0.5, 0.0, 2.0])); _ = fold_gates(trained)
+        >>> refold_gates(fresh, folded_gates(trained))
+        >>> torch.equal(fresh.encoder.layer[0].attention.output.dense.weight,
+        ...             trained.encoder.layer[0].attention.output.dense.weight)
+        True
+    """
+    model = _transformers_model(model)
+    family = detect_family(model)
+    hub = _hub_or_none(model)
+    record = folded_gates(model)
+    for layer, scale in values.items():
+        layer = int(layer)
+        if hub is not None:
+            _remove_gate(hub, layer, fold=False)
+        attention = family.attention_module(model, layer)
+        scale = torch.tensor(scale, dtype=torch.float32)
+        weights.scale_input_columns(
+            family.out_projection(model, layer), scale.repeat_interleave(family.head_dim(attention))
+        )
+        record[layer] = scale.tolist()
+    setattr(model, FOLDED, record)
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model of a `PeftModel` (`get_base_model`), else `model`."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
 
 
 def gate_parameters(model: nn.Module) -> list[nn.Parameter]:

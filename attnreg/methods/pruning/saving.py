@@ -18,7 +18,7 @@ from attnreg.families import Family, detect_family
 from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
 from attnreg.hub import GATE, TEMPERATURE, attach
 from attnreg.methods.pruning.checkpoints import FOLDED_GATES, restore_pruning
-from attnreg.methods.pruning.gates import _hub_or_none, make_hard_concrete
+from attnreg.methods.pruning.gates import _hub_or_none, _transformers_model, make_hard_concrete
 from attnreg.methods.pruning.surgery import prune_heads, silence_heads
 
 SPEC_FILE = "attnreg_pruning.json"
@@ -49,7 +49,7 @@ def save_pruned(
         ['attnreg_pruning.json', 'config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
     """
     directory = Path(directory)
-    model = _unwrapped(model)
+    model = _transformers_model(model)
     # Not an attached model's own save_pretrained, which folds gates: these load back. The weights are written
     # as the model holds them: the original format of some families (mixture-of-experts) is converted back only
     # by from_pretrained, which a pruned model cannot use.
@@ -84,7 +84,7 @@ def save_adapters(model: nn.Module, directory: str | Path) -> list[Path]:
     import peft
     from safetensors.torch import save_file
 
-    model = _unwrapped(model)
+    model = _transformers_model(model)
     configs = getattr(model, "peft_config", None)
     if not configs:
         raise ValueError(
@@ -104,12 +104,6 @@ def save_adapters(model: nn.Module, directory: str | Path) -> list[Path]:
         save_file(state, folder / "adapter_model.safetensors", metadata={"format": "pt"})
         written.append(folder / "adapter_model.safetensors")
     return written
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The transformers model of a `PeftModel` (`get_base_model`), else `model`."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
 
 
 def write_spec(model: transformers.PreTrainedModel, directory: str | Path) -> Path:
