@@ -4,7 +4,8 @@ Full run (from the repository root; about 30 minutes on 2 idle cores, longer on 
 
     .venv/bin/python benchmarks/overhead.py
 
-Smoke run (128 tokens, 2 repetitions, no compiled variants; the figures mean nothing):
+Smoke run (`make bench`, and CI: the decoder shape, SmolLM2's heads and widths on 2 layers, 256 tokens, 3
+repetitions, no compiled variants; the figures mean nothing):
 
     .venv/bin/python benchmarks/overhead.py --quick
 
@@ -32,18 +33,28 @@ run them (`attnreg.methods`, `hub.capture`):
   `torch.compile`; their ratios are to `compiled_sdpa`.
 
 A step is forward + terms + backward + zero_grad (no optimizer step), timed round-robin after a warm-up
-(order rotated every repetition); ratios are medians of per-repetition ratios to `sdpa`. Saved for
-backward: the bytes of the distinct storages autograd keeps in one step (parameters excluded), exact
+(order rotated every repetition); ratios are per-repetition ratios to `sdpa`, reported as median with min and max.
+The 1-minute load average is read before and after every repetition; a run whose load exceeded 3/4 of the
+machine's CPUs is marked loud, and a target whose per-repetition ratios straddle it is then not settled by it.
+At SmolLM2's shape the issue's targets are checked (`TARGETS`). `--variants` times a subset, `--threads` sets
+torch's threads (default 1), `--no-memory` skips the saved-bytes pass (for parallel processes), and `--merge
+A.json B.json ...` pools the repetitions of such runs (each process interleaves its own variants) into one table.
+Saved for backward: the bytes of the distinct storages autograd keeps in one step (parameters excluded), exact
 (not measured for compiled steps, whose saved tensors the hooks do not see). The blockwise variants' saved
 bytes are also measured at 512, 1,024 and 2,048 tokens (batch 1) to show they grow linearly in T. Last,
 `torch.profiler` splits the steps of `sdpa`, `kl_head` and `entropy_all` by aten op (self CPU time), to
 show where a regularized step's extra time goes (`--breakdown-only` runs just that).
+
+Compiled at SmolLM2's shape (`--shape smollm2 --compiled`): `compiled_sdpa`, `compiled_kl_head` and
+`compiled_entropy_all`, and the graph breaks each regularizer adds to the plain step (`torch._dynamo.explain`).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
 import sys
 import time
@@ -61,6 +72,7 @@ from attnreg.tiny import tiny_model
 VARIANTS = ("sdpa", "idle", "gates", "kl_head", "entropy_all", "kl_head_materialized", "entropy_all_materialized")
 COMPILED = ("compiled_sdpa", "compiled_kl_head", "compiled_entropy_all")
 MB = 2**20
+STARTED = time.perf_counter()  # `--budget` counts from here
 
 
 @dataclass(frozen=True)
@@ -76,9 +88,10 @@ class Shape:
     extras: bool = True
 
     def quick(self) -> Shape:
-        """The smoke run's version: 128 tokens (batch 2), at most 2 layers and a vocabulary of at most 1,000."""
+        """The smoke run's version: at most 2 layers, a vocabulary of at most 1,000 and 256 tokens (batch 1) for a
+        decoder shape, 128 (batch 2) else."""
         sizes = {**self.sizes, "layers": min(self.sizes["layers"], 2), "vocab": min(self.sizes["vocab"], 1000)}
-        return replace(self, configs=((128, 2),), sizes=sizes)
+        return replace(self, configs=((256, 1),) if "num_key_value_heads" in sizes else ((128, 2),), sizes=sizes)
 
 
 SHAPES = {
@@ -108,6 +121,9 @@ SHAPES = {
 }
 
 Step = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+TARGETS = {"kl_head": (1.05, 1.01), "entropy_all": (1.12, 1.01)}
+"""Issue 40's targets at SmolLM2's shape, 2,048 tokens, batch 1: (time, saved bytes) as ratios to the SDPA step."""
 
 
 def terms_of(name: str, layers: int) -> list[methods.LossTerm]:
@@ -184,40 +200,148 @@ def saved_bytes(model: torch.nn.Module, step: Step, batch: dict[str, torch.Tenso
     return sum(storages.values())
 
 
-def run_config(shape: Shape, family: str, tokens: int, batch_size: int, reps: int, compiled: bool) -> dict:
+def load_average() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def run_config(
+    shape: Shape,
+    family: str,
+    tokens: int,
+    batch_size: int,
+    reps: int,
+    compiled: bool,
+    variants: tuple[str, ...] | None = None,
+    memory: bool = True,
+    budget: float | None = None,
+) -> dict:
     base = tiny_model(family, head=shape.families[family], **shape.sizes).train()
-    names = shape.variants + (COMPILED if compiled else ())
-    variants = {name: build(name, base) for name in names}
+    eager = tuple(name for name in shape.variants if variants is None or name in variants)
+    names = eager + (COMPILED if compiled else ())
+    built = {name: build(name, base) for name in names}
     del base
     batch = make_batch(shape, family, tokens, batch_size)
-    memory = {name: saved_bytes(*variants[name], batch) for name in shape.variants}
-    for name, (model, step) in variants.items():
+    saved = {name: saved_bytes(*built[name], batch) for name in eager} if memory else {}
+    breaks = graph_breaks(built, batch) if compiled else {}
+    for name, (model, step) in built.items():
+        if name in saved:
+            continue  # the saved-bytes step was its warm-up
         start = time.perf_counter()
         train_step(model, step, batch)  # warm-up (and, for the compiled steps, compiling)
         print(f"  {family} {tokens}: {name} warm-up {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: dict[str, list[float]] = {name: [] for name in built}
+    loads = [load_average()]
     for rep in range(reps):
-        order = list(variants)[rep % len(variants) :] + list(variants)[: rep % len(variants)]
+        order = list(built)[rep % len(built) :] + list(built)[: rep % len(built)]
+        started = time.perf_counter()
         for name in order:
             start = time.perf_counter()
-            train_step(*variants[name], batch)
+            train_step(*built[name], batch)
             times[name].append(time.perf_counter() - start)
-        print(f"  {family} {tokens} tokens: repetition {rep + 1}/{reps}", file=sys.stderr, flush=True)
+        loads.append(load_average())
+        print(f"  {family} {tokens} tokens: repetition {rep + 1}/{reps} (load {loads[-1]:.1f})", file=sys.stderr)
+        if budget is not None and 2 * time.perf_counter() - started - STARTED > budget:
+            break  # another repetition would not end within the budget
+    entry = {"model": family, "tokens": tokens, "batch": batch_size, "times_s": times, "load": loads}
+    entry |= {"saved_bytes": saved, "graph_breaks": breaks}
+    return entry | {"summary": summarize(entry)}
 
-    def ratio(name: str, baseline: str) -> float:
-        return statistics.median(t / s for t, s in zip(times[name], times[baseline], strict=True))
 
-    summary = {
-        name: {
+def summarize(entry: dict) -> dict:
+    """Per variant: median step time, and median, min and max of its per-repetition ratios to `sdpa` (to
+    `compiled_sdpa` for a compiled variant), with its saved bytes and their ratio to SDPA's."""
+    times, saved = entry["times_s"], entry["saved_bytes"]
+
+    def ratios(name: str, baseline: str) -> list[float] | None:
+        if baseline not in times:
+            return None
+        return [t / s for t, s in zip(times[name], times[baseline], strict=True)]
+
+    summary = {}
+    for name in times:
+        own = ratios(name, "sdpa")
+        compiled = ratios(name, "compiled_sdpa") if name.startswith("compiled_") else None
+        summary[name] = {
             "median_s": statistics.median(times[name]),
-            "vs_sdpa": ratio(name, "sdpa"),
-            "vs_compiled_sdpa": ratio(name, "compiled_sdpa") if name.startswith("compiled_") else None,
-            "saved_bytes": memory.get(name),
-            "saved_vs_sdpa": memory[name] / memory["sdpa"] if name in memory else None,
+            "reps": len(times[name]),
+            "vs_sdpa": spread(own),
+            "vs_compiled_sdpa": spread(compiled),
+            "saved_bytes": saved.get(name),
+            "saved_vs_sdpa": saved[name] / saved["sdpa"] if name in saved and "sdpa" in saved else None,
         }
-        for name in variants
-    }
-    return {"model": family, "tokens": tokens, "batch": batch_size, "times_s": times, "summary": summary}
+    return summary
+
+
+def spread(values: list[float] | None) -> dict | None:
+    """{median, min, max} of `values` (None for None)."""
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def verdicts(config: dict, loud: bool) -> list[dict]:
+    """Each target of `TARGETS` against the measured spread: met or missed by every repetition, else (the spread
+    straddles it) by the median only, which a loud run cannot settle."""
+    rows = []
+    for name, (time_target, bytes_target) in TARGETS.items():
+        row = config["summary"].get(name)
+        if row is None or row["vs_sdpa"] is None:
+            continue
+        ratio = row["vs_sdpa"]
+        if ratio["max"] <= time_target:
+            time_verdict = "met by every repetition"
+        elif ratio["min"] > time_target:
+            time_verdict = "missed by every repetition"
+        elif loud:
+            time_verdict = "not settled: the spread straddles the target and the machine was loud"
+        else:
+            time_verdict = (
+                f"{'met' if ratio['median'] <= time_target else 'missed'} by the median; the spread straddles it"
+            )
+        saved = row["saved_vs_sdpa"]
+        bytes_verdict = None if saved is None else ("met" if saved <= bytes_target else "missed")
+        rows.append(
+            {"variant": name, "time_target": time_target, "time": time_verdict}
+            | {"bytes_target": bytes_target, "bytes": bytes_verdict}
+        )
+    return rows
+
+
+def graph_breaks(built: dict[str, tuple[torch.nn.Module, Step]], batch: dict[str, torch.Tensor]) -> dict:
+    """The graph breaks `torch._dynamo.explain` finds in each compiled variant's step, beyond the plain step's."""
+    found = {}
+    for name, (_, step) in built.items():
+        if not name.startswith("compiled_"):
+            continue
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step._torchdynamo_orig_callable)(batch)
+        found[name] = {
+            "graphs": explained.graph_count,
+            "breaks": [str(getattr(reason, "reason", reason)).splitlines()[0] for reason in explained.break_reasons],
+        }
+    torch._dynamo.reset()
+    plain = set(found.get("compiled_sdpa", {}).get("breaks", []))
+    return {name: {**entry, "added": [b for b in entry["breaks"] if b not in plain]} for name, entry in found.items()}
+
+
+def merge(paths: list[str]) -> dict:
+    """The results of several runs of the same shape (parallel processes, each interleaving its own variants) as
+    one: repetitions pooled per variant (each ratio still within its own process), the saved bytes of whichever
+    run measured them, the loads of all."""
+    runs = [json.loads(open(path).read()) for path in paths]
+    first = runs[0]
+    configs = []
+    for index, config in enumerate(first["configs"]):
+        parts = [run["configs"][index] for run in runs]
+        names = [name for name in config["times_s"]]
+        times = {name: [t for part in parts for t in part["times_s"].get(name, [])] for name in names}
+        entry = {key: config[key] for key in ("model", "tokens", "batch")} | {"times_s": times}
+        entry["load"] = [load for part in parts for load in part["load"]]
+        entry["saved_bytes"] = {k: v for part in parts for k, v in part.get("saved_bytes", {}).items()}
+        entry["graph_breaks"] = {k: v for part in parts for k, v in part.get("graph_breaks", {}).items()}
+        configs.append(entry | {"summary": summarize(entry)})
+    return {**{k: v for k, v in first.items() if k not in ("meta", "configs")}, "configs": configs, "merged": paths}
 
 
 def growth(shape: Shape, family: str, lengths: tuple[int, ...]) -> dict:
@@ -266,30 +390,56 @@ def breakdown_markdown(entry: dict, top: int = 12) -> list[str]:
     return lines
 
 
+LOUD = " (loud: more than 3/4 of the CPUs busy)"
+
+
+def ratio_text(ratio: dict | None) -> str:
+    return "" if ratio is None else f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
 def markdown(results: dict) -> str:
     sizes = results["sizes"]
     kv = f" ({sizes['num_key_value_heads']} key/value heads)" if "num_key_value_heads" in sizes else ""
+    loads = [load for config in results["configs"] for load in config.get("load", [])]
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"
     lines = [
         "# What attnreg costs on the train step (ratios to plain SDPA, same run)",
         "",
         f"Models ({results.get('shape', 'minilm')} shape): {sizes['layers']} layers x {sizes['heads']} heads{kv} x "
-        f"{sizes['hidden']}, vocabulary {sizes['vocab']}, random weights; "
-        f"{results['reps']} timed repetitions, interleaved; compiled ratios are to `compiled_sdpa`.",
+        f"{sizes['hidden']}, vocabulary {sizes['vocab']}, random weights; {results.get('threads', 1)} torch "
+        f"thread(s) per process; timed repetitions interleaved; ratios are the median (min-max) of per-repetition "
+        f"ratios; compiled ratios are to `compiled_sdpa`. 1-minute load average during the run: {load} on "
+        f"{results.get('cpus', os.cpu_count())} CPUs{LOUD if results.get('loud') else ''}.",
         "",
         *quick_banner(results["quick"]),
     ]
+    if results.get("merged"):
+        lines += [
+            f"Pooled from {len(results['merged'])} processes run side by side, each interleaving its variants.",
+            "",
+        ]
     rows = []
     for config in results["configs"]:
         for name, row in config["summary"].items():
-            compiled = f"{row['vs_compiled_sdpa']:.2f}" if row["vs_compiled_sdpa"] is not None else ""
             saved = f"{row['saved_bytes'] / MB:.1f}" if row["saved_bytes"] is not None else "n/a"
             saved_ratio = f"{row['saved_vs_sdpa']:.3f}" if row["saved_vs_sdpa"] is not None else "n/a"
             rows.append(
-                [config["model"], config["tokens"], config["batch"], name, f"{row['median_s'] * 1000:.0f}"]
-                + [f"{row['vs_sdpa']:.2f}", compiled, saved, saved_ratio]
+                [config["model"], config["tokens"], config["batch"], name, f"{row['median_s'] * 1000:.0f}", row["reps"]]
+                + [ratio_text(row["vs_sdpa"]), ratio_text(row["vs_compiled_sdpa"]), saved, saved_ratio]
             )
-    header = ["model", "tokens", "batch", "variant", "step ms", "x SDPA", "x compiled SDPA", "saved MB", "saved x SDPA"]
-    lines += table(header, rows, "lrrlrrrrr")
+    header = ["model", "tokens", "batch", "variant", "step ms", "reps", "x SDPA", "x compiled SDPA", "saved MB"]
+    lines += table(header + ["saved x SDPA"], rows, "lrrlrrrrrr")
+    for config in results["configs"]:
+        for name, entry in config.get("graph_breaks", {}).items():
+            added = "; ".join(entry["added"]) or "none"
+            lines += ["", f"`{name}`: {entry['graphs']} graph(s); graph breaks beyond the plain step's: {added}"]
+    if results.get("verdicts"):
+        lines += ["", "Against the targets (issue 40):", ""]
+        verdict_rows = [
+            [v["variant"], f"<= {v['time_target']}x: {v['time']}", f"<= {v['bytes_target']}x: {v['bytes'] or 'n/a'}"]
+            for v in results["verdicts"]
+        ]
+        lines += table(["variant", "time", "saved bytes"], verdict_rows, "lll")
     lines += ["", "Saved for backward (MB, batch 1) by length:", ""] if results["growth"] else [""]
     for entry in results["growth"]:
         lengths = list(next(iter(entry["saved_bytes"].values())))
@@ -302,63 +452,83 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_arguments(parser, "128 tokens, 2 repetitions, at most 2 layers, nothing compiled")
+    add_output_arguments(parser, "the decoder shape on 2 layers, 256 tokens, 3 repetitions, nothing compiled")
     parser.add_argument(
         "--shape",
         choices=sorted(SHAPES),
-        default="minilm",
-        help="minilm: BERT and GPT-2 at MiniLM's shape, 512 and 2,048 tokens (default); smollm2: a Llama at "
-        "SmolLM2-135M's shape, 2,048 tokens, sdpa/idle/kl_head/entropy_all only",
+        default=None,
+        help="minilm: BERT and GPT-2 at MiniLM's shape, 512 and 2,048 tokens (the default of a full run); smollm2: "
+        "a Llama at SmolLM2-135M's shape, 2,048 tokens, sdpa/idle/kl_head/entropy_all only (the default of --quick)",
     )
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 3)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)"
+    )
+    parser.add_argument("--variants", default=None, help="comma-separated variants to time (default: the shape's)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the saved-bytes pass")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
+    parser.add_argument("--compiled", action="store_true", help="add the compiled variants at SmolLM2's shape")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds since start after which no repetition begins that would not end in time",
+    )
+    parser.add_argument("--merge", nargs="+", default=None, help="pool these results.json files into one table")
     parser.add_argument(
         "--breakdown-only",
         action="store_true",
         help="only the per-op profile of sdpa, kl_head and entropy_all (written as its own run)",
     )
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # one core per process: steadier timings on a shared machine
+    if args.merge:
+        results = merge(args.merge)
+        results["loud"] = max(load for c in results["configs"] for load in c["load"]) > 0.75 * results["cpus"]
+        settles = results["shape"] == "smollm2" and not results["quick"]
+        results["verdicts"] = verdicts(results["configs"][0], results["loud"]) if settles else []
+        text = markdown(results)
+        write_results(output_dir(args, "overhead"), results, text, args)
+        print(text)
+        return
+    torch.set_num_threads(args.threads)  # one core per process by default: steadier timings on a shared machine
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per variant, none falling back to eager
-    reps = args.reps if args.reps is not None else (2 if args.quick else 5)
-    shape = SHAPES[args.shape].quick() if args.quick else SHAPES[args.shape]
+    reps = args.reps if args.reps is not None else (3 if args.quick else 5)
+    name = args.shape or ("smollm2" if args.quick else "minilm")
+    shape = SHAPES[name].quick() if args.quick else SHAPES[name]
     configs = shape.configs
+    variants = tuple(args.variants.split(",")) if args.variants else None
     lengths = (64, 128) if args.quick else (512, 1024, 2048)
-    compiled = args.compile and not args.quick and shape.extras
     profiled = ("sdpa", "kl_head", "entropy_all")
-    profile = shape.extras or args.breakdown_only
+    profile = (shape.extras and variants is None) or args.breakdown_only
     breakdowns = [
         breakdown(shape, family, tokens, batch, profiled, reps)
         for tokens, batch in (configs if profile else ())
         for family in shape.families
     ]
+    results = {"quick": args.quick, "shape": shape.name, "reps": reps, "threads": args.threads}
+    results |= {"cpus": os.cpu_count(), "sizes": shape.sizes}
     if args.breakdown_only:
-        results = {
-            "quick": args.quick,
-            "shape": shape.name,
-            "reps": reps,
-            "sizes": shape.sizes,
-            "configs": [],
-            "growth": [],
-            "breakdown": breakdowns,
-        }
+        results |= {"configs": [], "growth": [], "breakdown": breakdowns}
         text = markdown(results)
         write_results(output_dir(args, "overhead"), results, text, args)
         print(text)
         return
-    results = {
-        "quick": args.quick,
-        "shape": shape.name,
-        "reps": reps,
-        "sizes": shape.sizes,
-        "configs": [
-            run_config(shape, family, tokens, batch, reps, compiled and family == "bert" and tokens == configs[0][0])
-            for tokens, batch in configs
-            for family in shape.families
-        ],
-        "growth": [growth(shape, family, lengths) for family in shape.families] if shape.extras else [],
-        "breakdown": breakdowns,
-    }
+
+    def compiled(family: str, tokens: int) -> bool:
+        if args.quick or not args.compile:
+            return False
+        return args.compiled if shape.name == "smollm2" else family == "bert" and tokens == configs[0][0]
+
+    results["configs"] = [
+        run_config(shape, family, tokens, batch, reps, compiled(family, tokens), variants, args.memory, args.budget)
+        for tokens, batch in configs
+        for family in shape.families
+    ]
+    results["loud"] = max(load for config in results["configs"] for load in config["load"]) > 0.75 * os.cpu_count()
+    settles = shape.name == "smollm2" and not args.quick  # the targets are at the full shape
+    results["verdicts"] = verdicts(results["configs"][0], results["loud"]) if settles else []
+    results["growth"] = [growth(shape, family, lengths) for family in shape.families] if shape.extras else []
+    results["breakdown"] = breakdowns
     text = markdown(results)
     write_results(output_dir(args, "overhead"), results, text, args)
     print(text)

@@ -146,9 +146,11 @@ def attention_blocks(inputs: LayerInputs, block_size: int = BLOCK_SIZE) -> Itera
             admissible = admitted.sum(-1, dtype=torch.float32)[:, 0].expand(batch, rows)
         probs = torch.softmax(scores, dim=-1)
         # Entropy from the scores: log-sum-exp minus the mean score, the log-sum-exp read off the softmax as
-        # max_j s_ij - log max_j p_ij (no log of every probability); masked keys add 0 * minimum = 0.
-        top = scores.amax(-1)
-        entropy = top - probs.amax(-1).log() - (probs * scores).sum(-1)
+        # max_j s_ij - log max_j p_ij (no log of every probability; the largest probability sits at the largest
+        # score); masked keys add 0 * minimum = 0. One fused dot product per row, no product kept.
+        largest, at = probs.max(-1)
+        top = scores.gather(-1, at[..., None]).squeeze(-1)
+        entropy = top - largest.log() - torch.linalg.vecdot(probs, scores)
         del scores
         yield AttentionBlock(slice(start, stop), probs, admissible, entropy)
 
