@@ -109,8 +109,9 @@ def test_spec_strings_and_their_errors():
     assert SyntaxPrior.from_spec("parent:det").spec == "parent:det"
     with pytest.raises(ValueError, match="only the kinds"):
         SyntaxPrior("neighbors:nsubj")
-    with pytest.raises(ValueError, match="neither a kind"):
-        SyntaxPrior("two words")
+    with pytest.raises(ValueError, match="kind must be one of .* a UD relation"):
+        SyntaxPrior("grandparent")  # a typo of a kind is not taken for a relation
+    assert SyntaxPrior("dependents:dobj").relations == ("dobj",)  # other labels: named explicitly
     with pytest.raises(ValueError, match="pass each sentence's relations"):
         SyntaxPrior("nsubj")(HEADS, ALIGNMENT)
 
@@ -213,8 +214,8 @@ def test_a_relation_that_never_occurs_is_refused_naming_it_and_the_file(tmp_path
     sentences = read_conllu(path)
     with pytest.raises(ValueError, match=rf"relation 'obj' never occurs in the 1 sentences of {path}"):
         check_priors(sentences, {"objects": SyntaxPrior("obj")})
-    with pytest.raises(ValueError, match="relation 'nsubjx' never occurs.*neither a kind nor a relation"):
-        check_priors(sentences, {"typo": SyntaxPrior("nsubjx")})
+    with pytest.raises(ValueError, match="relation 'iobj' never occurs.*neither a kind nor a relation"):
+        check_priors(sentences, {"indirect objects": SyntaxPrior("iobj")})
 
 
 def test_a_kind_a_decoder_cannot_reach_is_refused_for_causal_models_only(tmp_path):

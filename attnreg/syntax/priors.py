@@ -56,6 +56,12 @@ _CHOICES = {
     "subtypes": ("fold", "keep"),
 }
 _BY_RELATION = ("parent", "dependents")  # the kinds that can keep only the arcs of chosen relations
+# The universal dependency relations of UD v2: a bare spec ("nsubj", "obl:tmod") must name one (subtypes aside).
+UD_RELATIONS = frozenset(
+    "acl advcl advmod amod appos aux case cc ccomp clf compound conj cop csubj dep det discourse dislocated expl "
+    "fixed flat goeswith iobj list mark nmod nsubj nummod obj obl orphan parataxis punct reparandum root vocative "
+    "xcomp".split()
+)
 
 
 def word_prior(
@@ -182,7 +188,7 @@ class SyntaxPrior:
     """How to turn a tree and an alignment into a token-level prior (see the module docstring).
 
     `kind` may also be a spec string (`from_spec`): `SyntaxPrior("nsubj")` is
-    `SyntaxPrior("dependents", relations=("nsubj",))`.
+    `SyntaxPrior("dependents", relations=("nsubj",))`; a bare name must be a kind or a UD relation.
 
     Example:
         >>> from attnreg.syntax.align import align_word_ids
@@ -390,10 +396,10 @@ def _parse_spec(spec: str) -> tuple[str, tuple[str, ...] | None]:
         if relations is not None and not all(relations):
             raise ValueError(f"SyntaxPrior: the spec {spec!r} has an empty relation name")
         return kind, relations
-    if not spec or any(character.isspace() or character == "," for character in spec):
+    if spec.split(":", 1)[0] not in UD_RELATIONS:
         raise ValueError(
-            f"SyntaxPrior: {spec!r} is neither a kind {_CHOICES['kind']} nor a relation name; specs read 'nsubj', "
-            "'parent:det' or 'dependents:det,amod'"
+            f"SyntaxPrior: kind must be one of {_CHOICES['kind']}, a UD relation ('nsubj', 'obl:tmod') or "
+            f"'<kind>:<relations>' ('parent:det', 'dependents:dobj' for other labels); got {spec!r}"
         )
     return "dependents", (spec,)
 
