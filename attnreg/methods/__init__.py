@@ -19,7 +19,7 @@ from attnreg.methods.layerwise_lr import FreezeLayers, LayerwiseLR
 from attnreg.methods.loss_term import AttentionLoss, LossTerm
 from attnreg.methods.monitor import AttentionMonitor, EntropyCollapseWarning, MonitorCheck
 from attnreg.methods.pruning.importance import HeadImportance
-from attnreg.methods.pruning.method import HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
+from attnreg.methods.pruning.method import GateKind, HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
 from attnreg.methods.runner import Captured, Runner
 from attnreg.methods.syntax_prior import SyntaxPriorKL
 
@@ -68,6 +68,7 @@ __all__ = [
     "HardConcreteGates",
     "HeadGating",
     "HeadImportance",
+    "GateKind",
     "L1Gates",
     "LayerwiseLR",
     "Loop",

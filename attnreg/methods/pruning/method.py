@@ -45,13 +45,13 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from attnreg.hub import AttentionRecord, attach
+from attnreg.hub import AttentionHub, AttentionRecord, attach
 from attnreg.methods import pruning
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.loss_term import check_weight
@@ -62,8 +62,48 @@ RESCUE_FOLDER = "attnreg-unpruned"  # in the run's output folder: a model whose 
 GATHERED_FOLDER = "attnreg-pruned"  # in the run's output folder: a sharded model gathered whole, its heads removed
 
 
+class GateKind:
+    """What `HeadGating` asks of a kind of gate (a frozen config dataclass that is also its strategy): make the
+    gate of a layer, its per-head penalty values (summed, times the weight), its per-head scores (which heads stay),
+    and, for a kind that can aim at a head count (`targets_count`), the expected number of open heads at the start
+    and the multipliers' optimizer; `before_step` runs once per optimizer step, before it.
+
+    Example:
+        >>> kind = HardConcreteGates()
+        >>> kind.targets_count, L1Gates().targets_count
+        (True, False)
+        >>> round(kind.initial_open(8), 2)                     # expected open heads of 8 fresh gates
+        7.78
+    """
+
+    targets_count: ClassVar[bool] = False
+
+    def make(self, hub: AttentionHub, layer: int) -> torch.Tensor | nn.Module:
+        """Install the gate of `layer` on `hub` (before the optimizer exists) and return it."""
+        raise NotImplementedError
+
+    def penalty(self, gate: Any) -> torch.Tensor:
+        """Per-head values whose sum the penalty weighs (differentiable)."""
+        raise NotImplementedError
+
+    def score(self, gate: Any) -> torch.Tensor:
+        """Per-head scores, detached: the lowest go first."""
+        raise NotImplementedError
+
+    def before_step(self, gate: Any) -> None:
+        """Once per optimizer step, before it (clamping, say); nothing by default."""
+
+    def initial_open(self, heads: int) -> float:
+        """The expected number of open heads among `heads` fresh gates (where a count target starts)."""
+        return float(heads)
+
+    def dual_optimizer(self, multipliers: torch.Tensor) -> torch.optim.Optimizer | None:
+        """The optimizer of the Lagrange multipliers toward a head count, or None."""
+        return None
+
+
 @dataclass(frozen=True)
-class L1Gates:
+class L1Gates(GateKind):
     """Gates starting at 1 with an L1 penalty of `weight` (a number or a schedule of progress).
 
     Example:
@@ -84,9 +124,18 @@ class L1Gates:
     def __post_init__(self) -> None:
         _check_schedule_weight(self.weight)
 
+    def make(self, hub: AttentionHub, layer: int) -> torch.Tensor:
+        return hub.gate(layer)
+
+    def penalty(self, gate: torch.Tensor) -> torch.Tensor:
+        return whole(gate).abs()
+
+    def score(self, gate: torch.Tensor) -> torch.Tensor:
+        return whole(gate).detach().abs()
+
 
 @dataclass(frozen=True)
-class HardConcreteGates:
+class HardConcreteGates(GateKind):
     """Hard-concrete (L0) gates: `temperature`, `stretch`, log-alpha starting at `initial_log_alpha`.
 
     Without a head count in `Removal`, the penalty is `weight * expected L0` (divided by the number of
@@ -155,6 +204,31 @@ class HardConcreteGates:
             if len(bounds) != 2 or not numbers or not bounds[0] < bounds[1]:
                 raise ValueError(f"log_alpha_bounds must be (low, high) with low < high, or None; got {bounds!r}")
             object.__setattr__(self, "log_alpha_bounds", (float(bounds[0]), float(bounds[1])))
+
+    targets_count: ClassVar[bool] = True
+
+    def make(self, hub: AttentionHub, layer: int) -> pruning.HardConcreteGate:
+        return pruning.make_hard_concrete(hub, layer, self.initial_log_alpha, self.temperature, self.stretch)
+
+    def penalty(self, gate: pruning.HardConcreteGate) -> torch.Tensor:
+        return whole(gate.expected_l0())
+
+    def score(self, gate: pruning.HardConcreteGate) -> torch.Tensor:
+        return whole(gate.deterministic()).detach()
+
+    def before_step(self, gate: pruning.HardConcreteGate) -> None:
+        if self.log_alpha_bounds is not None:
+            with torch.no_grad():
+                gate.log_alpha.clamp_(*self.log_alpha_bounds)
+
+    def initial_open(self, heads: int) -> float:
+        gate = pruning.HardConcreteGate(heads, self.initial_log_alpha, self.temperature, self.stretch)
+        return float(gate.expected_l0().detach().sum())  # summed as `term` sums: the first gap is exactly 0
+
+    def dual_optimizer(self, multipliers: torch.Tensor) -> torch.optim.Optimizer:
+        """Adam maximizing the Lagrangian in the multipliers (CoFi's AdamW at a negative learning rate, without
+        weight decay)."""
+        return torch.optim.Adam([multipliers], lr=self.lagrangian_lr, maximize=True)
 
 
 @dataclass(frozen=True)
@@ -252,7 +326,7 @@ class HeadGating(Method):
 
     def __init__(
         self,
-        gates: L1Gates | HardConcreteGates | None = None,
+        gates: GateKind | None = None,
         removal: Removal | None = None,
         layers: int | Iterable[int] | None = None,
         name: str | None = None,
@@ -260,8 +334,10 @@ class HeadGating(Method):
         super().__init__(name)
         self.gates = L1Gates() if gates is None else gates
         self.removal = Removal() if removal is None else removal
-        if not isinstance(self.gates, L1Gates | HardConcreteGates):
-            raise TypeError(f"HeadGating: gates must be L1Gates or HardConcreteGates, got {type(self.gates).__name__}")
+        if not isinstance(self.gates, GateKind):
+            raise TypeError(
+                f"HeadGating: gates must be L1Gates or HardConcreteGates (a GateKind), got {type(self.gates).__name__}"
+            )
         if not isinstance(self.removal, Removal):
             raise TypeError(f"HeadGating: removal must be a Removal, got {type(self.removal).__name__}")
         self.schedule = as_schedule(self.gates.weight, "weight")
@@ -283,7 +359,7 @@ class HeadGating(Method):
     @property
     def lagrangian(self) -> bool:
         """Whether the penalty is CoFi's Lagrangian toward a head count."""
-        return isinstance(self.gates, HardConcreteGates) and self.removal.keep is not None
+        return self.gates.targets_count and self.removal.keep is not None
 
     @property
     def lambdas(self) -> torch.Tensor:
@@ -291,11 +367,8 @@ class HeadGating(Method):
         return self.multipliers.detach().clone()
 
     def _new_dual_optimizer(self) -> torch.optim.Optimizer | None:
-        """Adam maximizing the Lagrangian in the multipliers (CoFi's AdamW at a negative learning rate,
-        without weight decay), or None without a Lagrangian."""
-        if not isinstance(self.gates, HardConcreteGates):
-            return None
-        return torch.optim.Adam([self.multipliers], lr=self.gates.lagrangian_lr, maximize=True)
+        """The multipliers' optimizer (`GateKind.dual_optimizer`), or None for a kind that aims at no head count."""
+        return self.gates.dual_optimizer(self.multipliers)
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name_argument, "layers": self.layers_argument}
@@ -339,11 +412,7 @@ class HeadGating(Method):
         except TypeError as error:
             raise TypeError(f"HeadGating: {error}") from None
         for layer in self.gated_layers:
-            if isinstance(self.gates, L1Gates):
-                hub.gate(layer)
-            else:
-                gates = self.gates
-                pruning.make_hard_concrete(hub, layer, gates.initial_log_alpha, gates.temperature, gates.stretch)
+            self.gates.make(hub, layer)
 
     def start(self, estimated_steps: float) -> None:
         super().start(estimated_steps)
@@ -357,9 +426,7 @@ class HeadGating(Method):
     def initial_heads(self) -> float:
         """Where the target starts: the expected number of open heads of freshly initialized gates
         (`gated_heads * P(z != 0)` at `initial_log_alpha`), so that the first gaps do not push gates open."""
-        gates = self.gates
-        gate = pruning.HardConcreteGate(self.gated_heads, gates.initial_log_alpha, gates.temperature, gates.stretch)
-        return float(gate.expected_l0().detach().sum())  # summed as `term` sums: the first gap is exactly 0
+        return self.gates.initial_open(self.gated_heads)
 
     def target(self, step: int) -> float:
         """The Lagrangian's target number of heads at `step`: from `initial_heads()` down to `keep`, linearly
@@ -381,11 +448,7 @@ class HeadGating(Method):
         """(the penalty, figures to log) for one micro-batch at optimizer step `step`; 0 once pruned."""
         if self.pruned:
             return torch.zeros(()), {}
-        gates = [self._gate(layer) for layer in self.gated_layers]
-        if isinstance(self.gates, L1Gates):
-            values = torch.cat([whole(gate) for gate in gates])
-            return self.current_weight(step) * values.abs().sum() / (values.numel() if self.gates.normalize else 1), {}
-        expected = torch.cat([whole(gate.expected_l0()) for gate in gates])
+        expected = torch.cat([self.gates.penalty(self._gate(layer)) for layer in self.gated_layers])
         if not self.lagrangian:
             scale = expected.numel() if self.gates.normalize else 1
             return self.current_weight(step) * expected.sum() / scale, {}
@@ -415,17 +478,15 @@ class HeadGating(Method):
             self.dual_optimizer.step()
             self.multipliers.grad = None
         self._gaps = []
-        self._clamp_log_alpha()
+        self._before_step()
 
-    def _clamp_log_alpha(self) -> None:
-        bounds = self.gates.log_alpha_bounds if isinstance(self.gates, HardConcreteGates) else None
-        if bounds is None or self.hub is None or self.pruned:
+    def _before_step(self) -> None:
+        if self.hub is None or self.pruned:
             return
-        with torch.no_grad():
-            for layer in self.gated_layers:
-                gate = pruning.hard_concrete(self.hub, layer)
-                if gate is not None:
-                    gate.log_alpha.clamp_(*bounds)
+        for layer in self.gated_layers:
+            gate = self.hub.gates.get(layer)
+            if gate is not None:
+                self.gates.before_step(gate)
 
     def _gate(self, layer: int) -> torch.Tensor | pruning.HardConcreteGate:
         gate = self.hub.gates.get(layer)
@@ -463,11 +524,7 @@ class HeadGating(Method):
     def scores(self) -> dict[int, torch.Tensor]:
         """Per gated layer, what decides which heads stay: |g|, or the deterministic hard-concrete gate."""
         with torch.no_grad():
-            if isinstance(self.gates, L1Gates):
-                return {layer: whole(self._gate(layer)).detach().abs().float().cpu() for layer in self.gated_layers}
-            return {
-                layer: whole(self._gate(layer).deterministic()).detach().float().cpu() for layer in self.gated_layers
-            }
+            return {layer: self.gates.score(self._gate(layer)).float().cpu() for layer in self.gated_layers}
 
     def choose(self, keep: int | None) -> dict[int, list[int]]:
         """Current positions of the heads to remove: all but the `keep` best, else those below the threshold;
@@ -630,11 +687,7 @@ class HeadGating(Method):
         if silenced:
             pruning.silence_heads(unsharded, silenced)
         for layer in self.gated_layers:
-            if isinstance(self.gates, L1Gates):
-                hub.gate(layer)
-            else:
-                gates = self.gates
-                pruning.make_hard_concrete(hub, layer, gates.initial_log_alpha, gates.temperature, gates.stretch)
+            self.gates.make(hub, layer)
         unsharded.load_state_dict(weights)
         return unsharded
 
