@@ -201,7 +201,12 @@ def test_page_in_headless_chromium(tokenizer, sentences, tmp_path):
                     + (cells.nth(i).inner_text(),)
                     for i in range(cells.count())
                 ]
-            assert page.evaluate("document.getElementById('text').toDataURL()") != before  # another head, drawn
+            drawn = "document.getElementById('text').toDataURL()"
+            assert page.evaluate(drawn) != before  # another head, drawn
+            page.select_option("#arcmode", "pointer")
+            before, box = page.evaluate(drawn), page.locator("#text").bounding_box()
+            page.mouse.move(box["x"] + 12, box["y"] + 32)  # over the first token: its arcs
+            assert page.evaluate(drawn) != before
             page.select_option("#gridmode", "diff")
             page.select_option("#doc", "2")
             page.screenshot(path=str(tmp_path / "head_view.png"), full_page=True)

@@ -193,8 +193,12 @@
     const alpha = S.arcs === "pointer" ? 1 : 0.55;
     M.forEach((m, mi) => {
       for (const i of queries) for (const [j, wgt] of arcsOf(mi, i)) {
-        if (j === i) continue;
         const [x1, y1, w1] = layout.pos[i], [x2, y2, w2] = layout.pos[j], up = mi === 0 ? -1 : 1;
+        if (S.arcs === "pointer") { // the keys of the query under the pointer, shaded by weight
+          ctx.fillStyle = COLORS[mi] + (0.4 * wgt).toFixed(3) + ")";
+          ctx.fillRect(x2, y2 + (up < 0 ? -9 : 0), w2, 9);
+        }
+        if (j === i) continue;
         const ax = x1 + w1 / 2, bx = x2 + w2 / 2, ay = y1 + up * 9, by = y2 + up * 9;
         const lift = Math.min(LINE * 0.95, 6 + Math.abs(ax - bx) / 8 + Math.abs(ay - by) / 4);
         ctx.strokeStyle = COLORS[mi] + (alpha * wgt).toFixed(3) + ")";
@@ -298,7 +302,7 @@
   window.addEventListener("resize", () => { layout = null; drawText(); });
   text.addEventListener("mousemove", (e) => {
     const r = text.getBoundingClientRect(), x = e.clientX - r.left, y = e.clientY - r.top + box.scrollTop;
-    const i = layout.pos.findIndex(([tx, ty, tw]) => x >= tx && x <= tx + tw && Math.abs(y - ty) <= LINE / 2);
+    const i = layout.pos.findIndex(([tx, ty, tw]) => x >= tx && x <= tx + tw && Math.abs(y - ty) <= LINE);
     if (i !== S.query) { S.query = i; drawText(); }
   });
   strip.addEventListener("click", (e) => {
