@@ -8,9 +8,15 @@ The repository's weight is checked here too: the README stays a front door, comm
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import re
+import shutil
 import socket
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning
@@ -134,6 +140,7 @@ def encoder_names(folder: Path) -> dict:
         "ids": batch["input_ids"][:1],
         "dev_accuracy": lambda model: 0.5,  # the reader's metric: any function of the model
         "folder": folder,
+        "unpruned": copy.deepcopy(model),
     }
 
 
@@ -182,6 +189,20 @@ def distributed_names(folder: Path) -> dict:
 
 
 FIXTURES = {"README.md": readme_names, "docs/app.md": app_names, "docs/distributed.md": distributed_names}
+ENCODER_NAMES = {
+    "tokenizer", "model", "texts", "labels", "loader", "unlabeled_loader", "batch", "batches", "module", "data",
+    "args", "sentences", "ids", "dev_accuracy", "folder", "unpruned",
+}  # fmt: skip
+SUPPLIED = {"README.md": ENCODER_NAMES | {"decoder", "decoder_tokenizer", "corpus"}, "docs/app.md": {"cfg"}}
+SLOW_PAGES = {
+    "README.md",
+    "docs/getting-started.md",
+    "docs/head-view.md",
+    "docs/methods/pruning.md",
+    "docs/methods/your-own.md",
+}
+"""Pages whose blocks train several methods or draw the head view (20-60 s each on 2 shared cores): run whole by
+`make test-slow`; the default suite checks their names (`test_every_name_a_block_uses_is_imported_or_supplied`)."""
 
 
 # -- trainers cut to a few steps -----------------------------------------------------------------------------
@@ -206,6 +227,40 @@ def short_trainers(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("page", [page for page in PAGES if code_blocks(page)])
+def test_every_name_a_block_uses_is_imported_or_supplied(page):
+    """What a reader pastes names nothing undefined (ruff's F821 over the page's blocks in order, after the
+    names the page asks the reader to supply): a missing import or a wrong variable fails here, in no time."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    supplied = "".join(f"{name} = None\n" for name in sorted(SUPPLIED.get(page, ENCODER_NAMES)))
+    code = supplied + "\n".join(code for _, code, skip in code_blocks(page) if not skip)
+    done = subprocess.run(
+        [
+            ruff,
+            "check",
+            "--isolated",
+            "--select",
+            "F821",
+            "--output-format",
+            "concise",
+            "--stdin-filename",
+            "page.py",
+            "-",
+        ],
+        input=code,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"{page}: a block names what nothing defines:\n{done.stdout}"
+
+
+PAGE_RUNS = [
+    pytest.param(page, marks=pytest.mark.slow) if page in SLOW_PAGES else page for page in PAGES if code_blocks(page)
+]
+
+
+@pytest.mark.parametrize("page", PAGE_RUNS)
 def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch, short_trainers):
     monkeypatch.chdir(tmp_path)
     write_trees(tmp_path)
@@ -246,3 +301,32 @@ def test_committed_results_are_summaries():
         if path.suffix in (".json", ".md", ".csv") and path.stat().st_size > 200_000
     ]
     assert not heavy, "results over 200 kB (keep results.md and a compact summary JSON; a command regenerates the rest)"
+
+
+README_RATIOS = {  # the README's performance rows: the overhead variant each quotes, at 512 tokens
+    "attached, idle": "idle",
+    "per-head gates": "gates",
+    "syntax-prior KL, one head per layer (blockwise, the default)": "kl_head",
+    "entropy on every head of every layer (blockwise)": "entropy_all",
+}
+
+
+def test_the_readmes_time_ratios_are_the_results_medians_with_their_range_and_never_below_one():
+    """Each cell is the median of the per-repetition ratios to SDPA (range in brackets) of the run it cites; a
+    median below 1.00 reads 1.00*: every variant runs SDPA's kernels and more, so a lower figure is noise."""
+    results = json.loads((ROOT / "benchmarks/results/overhead/stop_check/results.json").read_text())
+    configs = {(c["model"], c["tokens"]): c["times_s"] for c in results["configs"]}
+    rows = {
+        cells[0]: cells[1:3]
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("| ")
+        and (cells := [cell.strip() for cell in line.strip("|").split("|")])[0] in README_RATIOS
+    }
+    assert rows.keys() == README_RATIOS.keys()
+    for row, variant in README_RATIOS.items():
+        for model, cell in zip(("bert", "gpt2"), rows[row], strict=True):
+            times = configs[(model, 512)]
+            ratios = [own / sdpa for own, sdpa in zip(times[variant], times["sdpa"], strict=True)]
+            median = statistics.median(ratios)
+            shown = f"{max(median, 1.0):.2f}" + ("\\*" if median < 1.0 else "")
+            assert cell == f"{shown} ({min(ratios):.2f}-{max(ratios):.2f})", f"README {row}, {model}: {cell}"
