@@ -36,7 +36,9 @@ from decoder_common import (
     quick_tokenizer,
     read_ewt,
 )
+from torch.utils.data import DataLoader
 
+from attnreg.app.train import fit_causal_lm
 from attnreg.methods.pruning import count_parameters, head_importance, prune_heads, pruned_heads
 
 PROMPTS = [
@@ -74,21 +76,10 @@ def choose_groups(scores: dict[int, list[float]], plan: str, fraction: float = 1
 
 
 def recover(model, batches: list[dict], lr: float, seed: int) -> dict:
-    """Fine-tune `model` in place as a causal LM on `batches` (AdamW, all weights); returns the loss log."""
-    torch.manual_seed(seed)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    started = time.perf_counter()
-    for batch in batches:
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(round(float(loss), 4))
-    model.eval()
-    return {"losses": losses, "seconds": round(time.perf_counter() - started, 1)}
+    """Fine-tune `model` in place as a causal LM on `batches` (AdamW at a constant rate, all weights, gradient norm
+    clipped at 1) through the training app's loop (`attnreg.app.train.fit_causal_lm`); returns the loss log."""
+    log = fit_causal_lm(model, DataLoader(batches, batch_size=None), steps=len(batches), lr=lr, clip=1.0, seed=seed)
+    return {"losses": log["train/loss"], "seconds": log["seconds"]}
 
 
 @torch.no_grad()

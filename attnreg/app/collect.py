@@ -4,11 +4,16 @@ Each job's overrides (from its `.hydra/overrides.yaml`) name its row; the overri
 jobs become columns, and jobs that differ only in `seed` are grouped: every metric as mean ± std over
 seeds. Writes `collected.md` and `collected.json` into the sweep folder, prints the markdown, and says on
 stderr which of the metrics it looked for it found (and the numbers the summaries do hold when it found none).
+Decoder runs bring their own columns (validation perplexity, the supervised heads' parent accuracy over left
+parents, the best left offset's); `--baseline KEY=VALUE` adds paired differences: each group's runs minus the
+baseline group's run of the same seed, mean ± std over the pairs.
 
 Example:
     $ attnreg-train -m attnreg.syntax_prior_kl.weight=0,1 seed=0,1,2
     $ attnreg-collect multirun/2025-01-31/12-00-00
     | attnreg.syntax_prior_kl.weight | runs | accuracy.hard | accuracy.test | ... |
+    $ attnreg-train -m data=agreement_lm attnreg.syntax_prior_kl.weight=0,0.3 seed=0,1,2 launcher=joblib
+    $ attnreg-collect multirun/2025-01-31/13-00-00 --baseline attnreg.syntax_prior_kl.weight=0
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ DEFAULT_METRICS = (
     "accuracy.val",
     "accuracy.test",
     "accuracy.hard",
+    "perplexity.val",
     "parent_accuracy.supervised_mean",
+    "parent_accuracy.best_offset_accuracy",
     "train_seconds",
 )
 
@@ -135,6 +142,83 @@ def collect(
     return {"keys": keys, "metrics": metrics, "missing": [m for m in wanted if m not in metrics], "groups": rows}
 
 
+def paired_differences(
+    runs: Sequence[Mapping[str, Any]], table: Mapping[str, Any], baseline: Mapping[str, str], over: str = "seed"
+) -> dict[str, Any]:
+    """Per group of `table` other than the `baseline` one ({override: value}), each metric's differences to the
+    baseline run with the same `over` value (the seed): `{"baseline", "groups": [{"overrides", "pairs", "<metric>":
+    {"mean", "std", "values"}}]}`. Raises when no group matches `baseline`.
+
+    Example:
+        >>> rows = [("0", "0", 0.5), ("0", "1", 0.7), ("1", "0", 0.9), ("1", "1", 0.8)]      # weight, seed, accuracy
+        >>> runs = [{"overrides": {"w": w, "seed": s}, "summary": {"accuracy": {"val": v}}} for w, s, v in rows]
+        >>> table = collect(runs, metrics=["accuracy.val"])
+        >>> paired_differences(runs, table, {"w": "0"})["groups"][0]["accuracy.val"]["values"]
+        [0.4, 0.10000000000000009]
+        >>> paired_differences(runs, table, {"w": "2"})
+        Traceback (most recent call last):
+        ...
+        ValueError: --baseline w=2 matches no group; the groups are: {'w': '0'}, {'w': '1'}
+    """
+    keys = table["keys"]
+
+    def group_of(run: Mapping[str, Any]) -> dict[str, Any]:
+        return {key: run["overrides"].get(key) for key in keys}
+
+    wanted = {key: str(value) for key, value in baseline.items()}
+    base = {run["overrides"].get(over): run for run in runs if {k: group_of(run).get(k) for k in wanted} == wanted}
+    if not base:
+        groups = ", ".join(str(group["overrides"]) for group in table["groups"])
+        shown = ",".join(f"{k}={v}" for k, v in wanted.items())
+        raise ValueError(f"--baseline {shown} matches no group; the groups are: {groups}")
+    rows = []
+    for group in table["groups"]:
+        if {k: group["overrides"].get(k) for k in wanted} == wanted:
+            continue
+        members = [run for run in runs if group_of(run) == group["overrides"] and run["overrides"].get(over) in base]
+        row: dict[str, Any] = {"overrides": group["overrides"], "pairs": len(members)}
+        for name in table["metrics"]:
+            values = []
+            for run in members:
+                mine, theirs = (
+                    value_at(run["summary"], name),
+                    value_at(base[run["overrides"].get(over)]["summary"], name),
+                )
+                if mine is not None and theirs is not None:
+                    values.append(mine - theirs)
+            row[name] = {
+                "mean": statistics.mean(values) if values else math.nan,
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "values": values,
+            }
+        rows.append(row)
+    return {"baseline": wanted, "keys": keys, "metrics": table["metrics"], "groups": rows}
+
+
+def paired_markdown(differences: Mapping[str, Any]) -> str:
+    """The paired differences as markdown, one row per group (see `paired_differences`).
+
+    Example:
+        >>> rows = [("0", "0", 0.5), ("0", "1", 0.7), ("1", "0", 0.9), ("1", "1", 0.8)]
+        >>> runs = [{"overrides": {"w": w, "seed": s}, "summary": {"accuracy": {"val": v}}} for w, s, v in rows]
+        >>> print(paired_markdown(paired_differences(runs, collect(runs, ["accuracy.val"]), {"w": "0"})), end="")
+        Paired differences against w=0 (same seed):
+        <BLANKLINE>
+        | w | pairs | accuracy.val |
+        |---|---|---|
+        | 1 | 2 | 0.250 ± 0.212 |
+    """
+    shown = ",".join(f"{k}={v}" for k, v in differences["baseline"].items())
+    header = [*differences["keys"], "pairs", *differences["metrics"]]
+    lines = [f"Paired differences against {shown} (same seed):", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "---|" * len(header))
+    for row in differences["groups"]:
+        cells = [str(row["overrides"][key]) for key in differences["keys"]] + [str(row["pairs"])]
+        cells += [_mean_std(row[name]) for name in differences["metrics"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def numeric_paths(summaries: Iterable[Mapping[str, Any]]) -> list[str]:
     """The dotted paths of every number in `summaries`, in first-seen order: what `--metrics` can name.
 
@@ -228,13 +312,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("sweep_dir", help="the multirun folder (multirun/DATE/TIME)")
     parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS), help="dotted paths into summary.json")
     parser.add_argument("--over", default="seed", help="the override averaged over (default: seed)")
+    parser.add_argument(
+        "--baseline", nargs="+", default=None, metavar="KEY=VALUE", help="add paired differences against this group"
+    )
     args = parser.parse_args(argv)
     runs = load_runs(args.sweep_dir)
     table = collect(runs, args.metrics, args.over)
     text = markdown(table)
+    collected: dict[str, Any] = {**table, "runs": runs}
+    if args.baseline:
+        differences = paired_differences(runs, table, dict(item.split("=", 1) for item in args.baseline), args.over)
+        text += "\n" + paired_markdown(differences)
+        collected["paired"] = differences
     sweep_dir = Path(args.sweep_dir)
     (sweep_dir / "collected.md").write_text(text)
-    (sweep_dir / "collected.json").write_text(json.dumps({**table, "runs": runs}, indent=2) + "\n")
+    (sweep_dir / "collected.json").write_text(json.dumps(collected, indent=2) + "\n")
     print(text, end="")
     print(report(table, runs), file=sys.stderr)  # stdout stays the markdown alone
 

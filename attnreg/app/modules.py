@@ -1,6 +1,7 @@
-"""A ready LightningModule for sentence classification with any supported transformers model.
+"""Ready LightningModules for fine-tuning any supported transformers model: sentence classification
+(`SequenceClassifier`), causal LM and chat SFT (`CausalLM`), distillation (`Distiller`).
 
-It already uses `attnreg.AttnRegMixin`, so every attnreg callback works with it; batch keys that
+They use `attnreg.AttnRegMixin`, so every attnreg callback works with them; batch keys that
 the model's forward does not take (the syntax prior, say) are kept away from the model.
 
 Example:
@@ -28,20 +29,92 @@ from typing import Any
 import lightning as L
 import torch
 import torchmetrics
-from transformers import PreTrainedModel, get_linear_schedule_with_warmup
+from transformers import PreTrainedModel, get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from attnreg.hub import is_attached
 from attnreg.methods.distillation import check_distillation, distillation_loss
 from attnreg.methods.pruning import gate_parameters
 from attnreg.mixin import AttnRegMixin
 
+SCHEDULES = {"linear": get_linear_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
 
-class SequenceClassifier(AttnRegMixin, L.LightningModule):
-    """Fine-tunes `model` (a `...ForSequenceClassification`) with AdamW and linear warmup then decay.
 
-    attnreg's head gates (`HeadGating`) get a group of their own, named "gates", at `gate_lr` (default
-    `lr`; gates usually need a far larger one) without weight decay. Logs `train/loss`, and `val/loss`,
-    `val/acc`, `val/mcc` (Matthews correlation) each epoch.
+class FineTuner(AttnRegMixin, L.LightningModule):
+    """Fine-tunes `model` on its own loss with AdamW, warmup over the `warmup` share of the steps, then linear decay
+    to 0 (`schedule="linear"`) or a constant rate (`schedule="constant"`); logs `train/loss`.
+
+    Only parameters that require grad are optimized (a LoRA adapter's, on a PEFT model). attnreg's head gates
+    (`HeadGating`) get a group of their own, named "gates", at `gate_lr` (default `lr`; gates usually need a far
+    larger one) without weight decay. Subclasses add their validation.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> module = FineTuner(tiny_model("llama", head="causal_lm"), lr=1e-3)
+        >>> module({"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([[2, 5, 6, 3]])}).loss.ndim
+        0
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        warmup: float = 0.1,
+        gate_lr: float | None = None,
+        schedule: str = "linear",
+    ):
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"module.schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        self.schedule = schedule
+        self.model = model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes
+        self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
+        self.gate_lr = lr if gate_lr is None else gate_lr
+        self.save_hyperparameters(ignore=["model", "teacher"])  # modules, not hyperparameters (Distiller's teacher)
+        self._inputs = set(inspect.signature(model.forward).parameters)
+        if "kwargs" in self._inputs:  # a PEFT model's forward passes **kwargs on to the base model's
+            base = getattr(model, "get_base_model", lambda: model)()
+            self._inputs |= set(inspect.signature(base.forward).parameters)
+
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The entries of `batch` the model's forward accepts."""
+        return {key: value for key, value in batch.items() if key in self._inputs and key != "kwargs"}
+
+    def forward(self, batch: dict[str, Any]) -> Any:
+        return self.model(**self.model_inputs(batch))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self(batch).loss
+        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        gates = gate_parameters(self.model)
+        ids = {id(p) for p in gates}
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ids]
+        no_decay = [p for n, p in trainable if p.ndim < 2 or "norm" in n.lower()]
+        ids |= {id(p) for p in no_decay}
+        decay = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+            {"params": gates, "weight_decay": 0.0, "lr": self.gate_lr, "name": "gates"},
+        ]
+        # An attached model keeps its gates group even when empty, as in attnreg.methods.layerwise_lr: a resumed
+        # optimizer must have the groups of its checkpoint, taken before or after gates were folded.
+        kept = [group for group in groups if group["params"] or (group["name"] == "gates" and is_attached(self.model))]
+        optimizer = torch.optim.AdamW(kept, lr=self.lr)
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = int(self.warmup * total)
+        scheduler = SCHEDULES[self.schedule](
+            optimizer, warmup, **({"num_training_steps": total} if self.schedule == "linear" else {})
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class SequenceClassifier(FineTuner):
+    """Fine-tunes `model` (a `...ForSequenceClassification`) as `FineTuner` does; logs `train/loss`, and
+    `val/loss`, `val/acc`, `val/mcc` (Matthews correlation) each epoch.
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -62,28 +135,11 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
         warmup: float = 0.1,
         gate_lr: float | None = None,
     ):
-        super().__init__()
-        self.model = model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes
-        self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
-        self.gate_lr = lr if gate_lr is None else gate_lr
-        self.save_hyperparameters(ignore=["model", "teacher"])  # modules, not hyperparameters (Distiller's teacher)
+        super().__init__(model, lr=lr, weight_decay=weight_decay, warmup=warmup, gate_lr=gate_lr)
         classes = model.config.num_labels
         task = "binary" if classes == 2 else "multiclass"
         self.val_acc = torchmetrics.Accuracy(task=task, num_classes=classes)
         self.val_mcc = torchmetrics.MatthewsCorrCoef(task=task, num_classes=classes)
-        self._inputs = set(inspect.signature(model.forward).parameters)
-
-    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The entries of `batch` the model's forward accepts."""
-        return {key: value for key, value in batch.items() if key in self._inputs}
-
-    def forward(self, batch: dict[str, Any]) -> Any:
-        return self.model(**self.model_inputs(batch))
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = self(batch).loss
-        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
-        return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         output = self(batch)
@@ -94,26 +150,51 @@ class SequenceClassifier(AttnRegMixin, L.LightningModule):
         self.log("val/acc", self.val_acc, prog_bar=True)
         self.log("val/mcc", self.val_mcc)
 
-    def configure_optimizers(self) -> Any:
-        gates = gate_parameters(self.model)
-        ids = {id(p) for p in gates}
-        no_decay = [
-            p for n, p in self.model.named_parameters() if (p.ndim < 2 or "norm" in n.lower()) and id(p) not in ids
-        ]
-        ids |= {id(p) for p in no_decay}
-        decay = [p for p in self.parameters() if id(p) not in ids]
-        groups = [
-            {"params": decay, "weight_decay": self.weight_decay, "name": "decay"},
-            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-            {"params": gates, "weight_decay": 0.0, "lr": self.gate_lr, "name": "gates"},
-        ]
-        # An attached model keeps its gates group even when empty, as in attnreg.methods.layerwise_lr: a resumed
-        # optimizer must have the groups of its checkpoint, taken before or after gates were folded.
-        kept = [group for group in groups if group["params"] or (group["name"] == "gates" and is_attached(self.model))]
-        optimizer = torch.optim.AdamW(kept, lr=self.lr)
-        total = int(self.trainer.estimated_stepping_batches)
-        scheduler = get_linear_schedule_with_warmup(optimizer, int(self.warmup * total), total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+class CausalLM(FineTuner):
+    """Fine-tunes a causal LM (`...ForCausalLM`, or a PEFT model of one) on its next-token loss over the tokens
+    whose `labels` are not -100 (every real token for plain text, the assistant's for chat SFT); logs `train/loss`,
+    and `val/loss` and `val/perplexity` over every held-out token each epoch (token-weighted, not a mean of batch
+    means).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> module = CausalLM(tiny_model("llama", head="causal_lm"), lr=1e-3)
+        >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 1, 0]]),
+        ...          "labels": torch.tensor([[2, 5, 6, 3, -100]]), "attnreg_prior": torch.tensor([[-1, 1, 2, 2, -1]])}
+        >>> sorted(module.model_inputs(batch))
+        ['attention_mask', 'input_ids', 'labels']
+        >>> module.validation_step(batch, 0); module.val_nll.compute() / module.val_tokens.compute()  # 3 predicted
+        tensor(...)
+        >>> int(module.val_tokens.compute())
+        3
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lr: float = 5e-5,
+        weight_decay: float = 0.0,
+        warmup: float = 0.0,
+        gate_lr: float | None = None,
+        schedule: str = "linear",
+    ):
+        super().__init__(model, lr=lr, weight_decay=weight_decay, warmup=warmup, gate_lr=gate_lr, schedule=schedule)
+        self.val_nll = torchmetrics.SumMetric()
+        self.val_tokens = torchmetrics.SumMetric()
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        output = self(batch)
+        tokens = (batch["labels"][:, 1:] != -100).sum()
+        self.val_nll.update(output.loss.detach() * tokens)
+        self.val_tokens.update(tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_nll.compute() / self.val_tokens.compute().clamp(min=1)
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/perplexity", loss.exp())
+        self.val_nll.reset()
+        self.val_tokens.reset()
 
 
 class Distiller(SequenceClassifier):

@@ -1,6 +1,8 @@
 """The run's summary: the line `attnreg-train` logs before fitting (what is on) and the summary after it
 (accuracy, parent accuracy of the supervised and best heads, entropy per layer, the prior's coverage, pruning),
-as a dict for `summary.json` and as the text the app prints.
+as a dict for `summary.json` and as the text the app prints. A decoder task's summary (`summarize_decoder`) has
+validation perplexity, parent accuracy over the words whose parent is to their left beside the best left-offset
+baseline, greedy continuations, and for a pruned model its size and generation speed against the unpruned one.
 
 Example:
     >>> summary = {"accuracy": {"val": 0.75}, "metrics": {"val/loss": 0.5}}
@@ -18,8 +20,10 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
+from attnreg.app.decoder_evaluation import decoder_head_report, generation_speed, greedy_continuations, perplexity
 from attnreg.app.evaluation import accuracy, head_report, layer_entropy, pruning_report
 from attnreg.app.settings import attnreg_settings, needs_of
+from attnreg.hub import transformers_model
 
 
 def describe_run(cfg: DictConfig, model: PreTrainedModel, trainer: L.Trainer, choices: Mapping[str, Any]) -> str:
@@ -45,9 +49,10 @@ def describe_run(cfg: DictConfig, model: PreTrainedModel, trainer: L.Trainer, ch
     attnreg = "; ".join(
         f"{name} = {describe_settings(OmegaConf.to_container(node, resolve=True))}" for name, node in settings.items()
     )
+    adapter = f" with LoRA r={cfg.peft.r} on {list(cfg.peft.target_modules)}" if cfg.get("peft") else ""
     return (
-        f"attnreg-train: model {model_name} ({type(model).__name__}{source}), data {data_name}, seed {cfg.seed}, "
-        f"{training_length(trainer)}; attnreg: {attnreg or 'none'}"
+        f"attnreg-train: model {model_name} ({type(model).__name__}{source}{adapter}), data {data_name}, "
+        f"seed {cfg.seed}, {training_length(trainer)}; attnreg: {attnreg or 'none'}"
     )
 
 
@@ -118,6 +123,8 @@ def summarize(
         >>> sorted(summary["accuracy"]), len(summary["entropy"]), list(summary["parent_accuracy"]["supervised"])
         (['hard', 'test', 'val'], 2, ['L0H1'])
     """
+    if getattr(data, "task", "classification") != "classification":
+        return summarize_decoder(cfg, model, data, callbacks, trainer, seconds, choices)
     eval_sets = data.eval_sets()
     summary: dict[str, Any] = {
         "choices": {key: value for key, value in choices.items() if not key.startswith("hydra")},
@@ -137,6 +144,73 @@ def summarize(
     if sentences:
         supervised = supervised_heads(callbacks.values())
         summary["parent_accuracy"] = head_report(model, data.tokenizer, sentences, supervised, data.max_length)
+    return summary
+
+
+def summarize_decoder(
+    cfg: DictConfig,
+    model: PreTrainedModel,
+    data: Any,
+    callbacks: Mapping[str, L.Callback],
+    trainer: L.Trainer,
+    seconds: float,
+    choices: Mapping[str, Any],
+    unpruned: PreTrainedModel | None = None,
+) -> dict[str, Any]:
+    """The summary of a causal-LM or chat run: validation perplexity, entropy per layer, parent accuracy of the
+    supervised heads over left parents (with the best left offset and the share of such words), greedy
+    continuations of the data's prompts, the prior's coverage, and the heads removed with the parameter count and
+    generation tokens/s against `unpruned` (the model before training) when there is one.
+
+    The example summarizes a tiny decoder not trained yet.
+
+    Example:
+        >>> import attnreg
+        >>> from attnreg.app.lm import AgreementLMDataModule
+        >>> from attnreg.app.models import tiny_causal_lm
+        >>> data = AgreementLMDataModule(train=8, val=8); data.setup("fit")
+        >>> callbacks = {"kl": attnreg.SyntaxPriorKL(layers=[1], heads=[0])}
+        >>> cfg = OmegaConf.create({"seed": 0, "generate_tokens": 4})
+        >>> summary = summarize_decoder(cfg, tiny_causal_lm(data.tokenizer), data, callbacks, L.Trainer(logger=False),
+        ...                             1.0, {"model": "tiny_llama_lm"})
+        >>> summary["task"], sorted(summary["perplexity"]), list(summary["parent_accuracy"]["supervised"])
+        ('causal_lm', ['val'], ['L1H0'])
+        >>> list(summary["continuations"]) == data.prompts, summary["pruning"]
+        (True, None)
+    """
+    model = transformers_model(model)  # a PEFT model's base, its adapters in place
+    val = data.loader("val")
+    scores = perplexity(model, val)
+    summary: dict[str, Any] = {
+        "choices": {key: value for key, value in choices.items() if not key.startswith("hydra")},
+        "seed": cfg.seed,
+        "task": data.task,
+        "attnreg": {name: type(callback).__name__ for name, callback in callbacks.items()},
+        "steps": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "train_seconds": round(seconds, 1),
+        "perplexity": {"val": scores["perplexity"]},
+        "loss": {"val": scores["loss"]},
+        "predicted_tokens": {"val": scores["tokens"]},
+        "metrics": {key: round(float(value), 4) for key, value in trainer.callback_metrics.items()},
+        "entropy": [round(value, 4) for value in layer_entropy(model, val)],
+        "parent_accuracy": None,
+        "continuations": greedy_continuations(model, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16)),
+        "pruning": pruning_report(model),
+        "prior_arcs": prior_arcs(data),
+    }
+    sentences = data.tree_sentences()
+    if sentences:
+        supervised = supervised_heads(callbacks.values())
+        summary["parent_accuracy"] = decoder_head_report(model, data.tokenizer, sentences, supervised, data.max_length)
+    if summary["pruning"] and unpruned is not None:
+        speed = generation_speed(
+            {"pruned": model, "unpruned": unpruned}, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16)
+        )
+        summary["pruning"]["generation"] = speed
+        summary["pruning"]["speedup"] = round(
+            speed["pruned"]["tokens_per_second"] / speed["unpruned"]["tokens_per_second"], 3
+        )
     return summary
 
 
@@ -187,6 +261,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         heads pruned: layer 1: [0, 3] (heads left per layer [4, 2], saved to outputs/run/pruned_model)
         outputs: outputs/run
     """
+    if summary.get("task") in ("causal_lm", "chat"):
+        return format_decoder_summary(summary)
     choices = summary.get("choices", {})
     setting = f"{choices.get('model', 'model')} on {choices.get('data', 'data')}" if choices else "run"
     lines = [
@@ -231,6 +307,71 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         )
     else:
         lines.append("heads pruned: none")
+    lines.append(f"outputs: {summary.get('output_dir')}")
+    return "\n".join(lines)
+
+
+def format_decoder_summary(summary: Mapping[str, Any]) -> str:
+    """A decoder run's summary as text (see `summarize_decoder`).
+
+    Example:
+        >>> summary = {"seed": 0, "steps": 40, "train_seconds": 3.2, "attnreg": {}, "task": "causal_lm",
+        ...            "perplexity": {"val": 12.5}, "continuations": {"the dog": "sees a cat"}, "output_dir": "run",
+        ...            "parent_accuracy": {"sentences": 8, "supervised": {"L1H0": 0.5}, "best_head": "L0H2",
+        ...                                "best": 0.6, "best_offset": -1, "best_offset_accuracy": 0.4,
+        ...                                "left_parent_share": 0.45},
+        ...            "pruning": {"removed": {"1": [0, 1]}, "heads_left": [4, 2], "parameters": 900,
+        ...                        "generation": {"pruned": {"tokens_per_second": 120.0, "parameters": 900},
+        ...                                       "unpruned": {"tokens_per_second": 100.0, "parameters": 1000}},
+        ...                        "speedup": 1.2}}
+        >>> print(format_decoder_summary(summary))
+        attnreg-train: causal_lm run, seed 0, 40 steps in 3.2 s
+        callbacks: none
+        validation perplexity: 12.50
+        parent accuracy over the 45.0% of words whose parent is to their left (8 held-out sentences): supervised ...
+        heads pruned: 2 (layer 1: [0, 1]); 900 parameters against 1000; generation 120.0 tokens/s against 100.0 ...
+        greedy: 'the dog' -> 'sees a cat'
+        outputs: run
+    """
+    choices = summary.get("choices", {})
+    setting = f"{choices.get('model', 'model')} on {choices.get('data', 'data')}" if choices else "run"
+    lines = [
+        f"attnreg-train: {summary['task']} {setting}, seed {summary['seed']}, {summary['steps']} steps in "
+        f"{summary['train_seconds']} s",
+        "callbacks: " + (", ".join(f"{n} ({t})" for n, t in summary["attnreg"].items()) or "none"),
+        f"validation perplexity: {summary['perplexity']['val']:.2f}",
+    ]
+    heads = summary.get("parent_accuracy")
+    if heads:
+        supervised = ", ".join(f"{name} {_fraction(value)}" for name, value in heads["supervised"].items()) or "none"
+        lines.append(
+            f"parent accuracy over the {heads['left_parent_share']:.1%} of words whose parent is to their left "
+            f"({heads['sentences']} held-out sentences): supervised {supervised}; best head {heads['best_head']} "
+            f"{_fraction(heads['best'])}; best left offset ({heads['best_offset']}) {heads['best_offset_accuracy']:.3f}"
+        )
+    arcs = summary.get("prior_arcs")
+    if arcs and arcs.get("causal_rows"):
+        dropped, rows = arcs["causal_rows_dropped"], arcs["causal_rows"]
+        lines.append(f"syntax prior: {rows - dropped} of {rows} prior rows used (the others' parent is to the right)")
+    pruning = summary.get("pruning")
+    if pruning:
+        count = sum(len(heads) for heads in pruning["removed"].values())
+        removed = "; ".join(f"layer {layer}: {heads}" for layer, heads in pruning["removed"].items())
+        line = f"heads pruned: {count} ({removed}); {pruning['parameters']} parameters"
+        speed = pruning.get("generation")
+        if speed:
+            line += (
+                f" against {speed['unpruned']['parameters']}; generation {speed['pruned']['tokens_per_second']} "
+                f"tokens/s against {speed['unpruned']['tokens_per_second']} unpruned ({pruning['speedup']:.2f}x)"
+            )
+        lines.append(line)
+    else:
+        lines.append("heads pruned: none")
+    for prompt, continuation in (summary.get("continuations") or {}).items():
+        lines.append(f"greedy: {prompt!r} -> {continuation!r}")
+    for name in ("adapter", "merged_model", "model"):
+        if summary.get(name):
+            lines.append(f"{name.replace('_', ' ')}: {summary[name]}")
     lines.append(f"outputs: {summary.get('output_dir')}")
     return "\n".join(lines)
 

@@ -11,6 +11,13 @@ attention entropy per layer, and the heads pruned when pruning ran. Everything g
 folder: `train.log`, `metrics.csv` (or TensorBoard events), `checkpoints/best.ckpt`, `summary.json`,
 and `pruned_model/` when heads were removed.
 
+Decoders: a causal-LM data config (`data=agreement_lm`, `data=ewt_lm`, `data=text_lm`, `data=hf_lm`) or chat SFT
+(`data=chat`) with a causal-LM model config (`model=tiny_llama_lm`, `model=decoder` for a local directory,
+`model=smollm2`) trains the next-token loss (`attnreg.app.modules.CausalLM`, data in `attnreg.app.lm`), optionally
+through a LoRA adapter (`peft=lora`); the summary then has perplexity, parent accuracy over left parents, greedy
+continuations and, for a pruned model, its generation speed (`attnreg.app.decoder_evaluation`). A run resumes from a
+checkpoint with `ckpt_path=<run dir>/checkpoints/last.ckpt`.
+
 The model configs name the factories of `attnreg.app.models`; the summary's numbers come from
 `attnreg.app.evaluation`. A callback says what it needs from the data with a class attribute `needs`
 (see `NEEDS`): the syntax prior in the batches, held-out gold trees, the tokenizer. For instance:
@@ -21,6 +28,8 @@ The model configs name the factories of `attnreg.app.models`; the summary's numb
     $ attnreg-train experiment=cola_minilm attnreg=none   # a preset's baseline
     $ attnreg-train model=minilm data=cola attnreg=[syntax_prior_kl,entropy_regularizer] trainer.max_steps=200
     $ attnreg-train trainer=ddp                           # 2 CPU processes (gloo)
+    $ attnreg-train data=agreement_lm peft=lora           # a tiny random Llama as a causal LM, LoRA, the prior
+    $ attnreg-train experiment=smollm2_syntax_prior       # SmolLM2-135M on EWT, the causal prior on L15H2
 
 The example runs `attnreg-train attnreg=none` on less data for 1 epoch, in-process, into a temporary folder.
 
@@ -47,11 +56,12 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +74,14 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
 from attnreg.app.configs import register_resolvers
-from attnreg.app.models import load_tokenizer
+from attnreg.app.models import add_lora, load_tokenizer
+from attnreg.app.modules import CausalLM
 from attnreg.app.settings import attnreg_settings, needs_of, provide, warn_renamed
-from attnreg.app.summary import describe_run, format_summary, metric, summarize
+from attnreg.app.summary import describe_run, format_summary, metric, summarize, summarize_decoder
+from attnreg.callbacks import HeadGating
 from attnreg.families import detect_family
-from attnreg.methods.pruning import pruned_heads, save_pruned
+from attnreg.hub import detach, is_attached
+from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned
 from attnreg.syntax.data import SyntaxCollator
 
 log = logging.getLogger(__name__)
@@ -110,9 +123,24 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
 
     callbacks = {name: instantiate(node, _convert_="all") for name, node in attnreg_settings(cfg).items()}
     needs = frozenset().union(*(needs_of(callback) for callback in callbacks.values()))
-    tokenizer = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
+    tokenizer = (
+        load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
+    )
     data = instantiate(cfg.data, tokenizer=tokenizer, with_prior="prior" in needs)
+    task = getattr(data, "task", "classification")
+    data.setup("fit")  # every row checked before the model loads (decoder data; idempotent for all)
+    if task != "classification" and cfg.model._target_.endswith("_classifier"):
+        raise ValueError(
+            f"data is a {task} task but the model config builds a sequence classifier ({cfg.model._target_}): choose "
+            "model=tiny_llama_lm, model=decoder model.name_or_path=DIR or model=smollm2 (it is not a causal LM)"
+        )
     model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
+    check_task(task, model, cfg)
+    decoder = task != "classification"
+    pruning = any(isinstance(callback, HeadGating) for callback in callbacks.values())
+    unpruned = copy.deepcopy(model).eval() if decoder and pruning else None  # generation speed against it
+    if cfg.get("peft"):
+        model = add_lora(model, **{k: v for k, v in cfg.peft.items() if k != "merge"}, seed=cfg.seed)
     count_causal_rows(data, model)
     provide(callbacks.values(), data)
     module = instantiate(cfg.module, model=model)
@@ -122,22 +150,168 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     log.info(describe_run(cfg, model, trainer, choices or {}))
 
     started = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
     seconds = time.perf_counter() - started
     if trainer.world_size > 1:  # each process logs its pruning to its own Hydra job log, to compare across ranks
         log.info("rank %d: heads pruned %s", trainer.global_rank, pruned_heads(module.model))
     if not trainer.is_global_zero:
         return None
-    summary = summarize(cfg, module.model, data, callbacks, trainer, seconds, choices or {})
+    if decoder:
+        summary = summarize_decoder(cfg, module.model, data, callbacks, trainer, seconds, choices or {}, unpruned)
+    else:
+        summary = summarize(cfg, module.model, data, callbacks, trainer, seconds, choices or {})
     summary["checkpoint"] = checkpoint.best_model_path or None
     summary["output_dir"] = str(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if summary["pruning"]:
         summary["pruning"]["saved"] = str(save_pruned(module.model, output_dir / "pruned_model"))
         data.tokenizer.save_pretrained(output_dir / "pruned_model")
+    summary.update(save_outputs(cfg, module.model, data.tokenizer, output_dir, bool(summary["pruning"]), pruning))
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     return summary
+
+
+class StepLog(L.Callback):
+    """Records, after every optimizer step, the logged training numbers (`train/loss`, each `attnreg/<term>`).
+
+    Example:
+        >>> StepLog().values
+        {}
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        for key, value in trainer.callback_metrics.items():
+            if key.startswith(("train/", "attnreg/")) and key.count("/") == 1:
+                self.values.setdefault(key, []).append(round(float(value), 4))
+
+
+def fit_causal_lm(
+    model: PreTrainedModel,
+    loader: Any,
+    callbacks: Sequence[L.Callback] = (),
+    steps: int = 60,
+    lr: float = 1e-4,
+    clip: float | None = 1.0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Fine-tune `model` in place on the batches of `loader`, in their order, for `steps` optimizer steps, as
+    `attnreg-train` fine-tunes a decoder: `attnreg.app.modules.CausalLM` (AdamW at a constant `lr`, no weight decay)
+    under a Lightning `Trainer` with the attnreg `callbacks`, gradient norm clipped at `clip`. For scripts that hold
+    their own data (the decoder benchmarks): one training loop for the app and the evidence. Returns the
+    per-step log (`train/loss`, `attnreg/<term>`) and the seconds it took.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> import attnreg
+        >>> from attnreg.app.lm import AgreementLMDataModule
+        >>> from attnreg.app.models import tiny_causal_lm
+        >>> data = AgreementLMDataModule(train=16, val=4, with_prior=True, batch_size=8); data.setup()
+        >>> loader = DataLoader(data.datasets["train"], batch_size=8, collate_fn=data.collator())
+        >>> model = tiny_causal_lm(data.tokenizer)
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     log = fit_causal_lm(model, loader, [attnreg.SyntaxPriorKL(layers=[1], heads=[0], weight=0.3)], steps=2)
+        >>> len(log["train/loss"]), len(log["attnreg/syntax_prior_kl"]), model.training
+        (2, 2, False)
+    """
+    L.seed_everything(seed, workers=True, verbose=False)
+    module = CausalLM(model, lr=lr, weight_decay=0.0, warmup=0.0, schedule="constant")
+    record = StepLog()
+    trainer = L.Trainer(
+        max_steps=steps,
+        gradient_clip_val=clip,
+        callbacks=[*callbacks, record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        devices=1,
+    )
+    started = time.perf_counter()
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    trainer.fit(module, train_dataloaders=loader)
+    model.eval()
+    return {**record.values, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def check_task(task: str, model: PreTrainedModel, cfg: DictConfig) -> None:
+    """Refuse a model that does not fit the data's task, naming both: a causal LM on classification data (it would
+    get a random score head), a classifier on causal-LM or chat data; and a decoder task whose module is not
+    `attnreg.app.modules.CausalLM`.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> from attnreg.tiny import tiny_model
+        >>> cfg = OmegaConf.create({"module": {"_target_": "attnreg.app.modules.SequenceClassifier"}})
+        >>> check_task("classification", tiny_model("llama", head="causal_lm"), cfg)
+        Traceback (most recent call last):
+        ...
+        ValueError: model LlamaForCausalLM is a causal LM and the data is a classification task: it would be trained ...
+    """
+    causal_lm = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    if task == "classification" and causal_lm:
+        raise ValueError(
+            f"model {type(model).__name__} is a causal LM and the data is a classification task: it would be trained "
+            "with a random classification head. Choose a decoder task (data=agreement_lm, ewt_lm, text_lm, hf_lm or "
+            "chat) or a classifier model config"
+        )
+    if task != "classification" and not causal_lm:
+        raise ValueError(
+            f"data is a {task} task but model {type(model).__name__} is not a causal LM: choose model=tiny_llama_lm, "
+            "model=decoder model.name_or_path=DIR or model=smollm2"
+        )
+    if task != "classification" and not cfg.module._target_.endswith("CausalLM"):
+        raise ValueError(f"data is a {task} task: module._target_ must be attnreg.app.modules.CausalLM")
+
+
+def save_outputs(
+    cfg: DictConfig, model: Any, tokenizer: Any, output_dir: Path, pruned: bool = False, gated: bool = False
+) -> dict[str, str]:
+    """Write what the run's config asks for besides checkpoints: a LoRA adapter (always, under `adapter/`) and, with
+    `peft.merge`, the model with the adapter merged in (`merged_model/`, attnreg's gates folded into it). A `gated`
+    run (head gating) always gets one: its gates were folded into the base weights as well as the adapter, so the
+    adapter alone on the original base model is not the trained model. With `save_model`, the fine-tuned model
+    (`model/`; a pruned one is in `pruned_model/` already). Returns their paths.
+
+    Example:
+        >>> import tempfile
+        >>> from omegaconf import OmegaConf
+        >>> from attnreg.app.models import add_lora
+        >>> from attnreg.app.task import build_tokenizer
+        >>> from attnreg.tiny import tiny_model
+        >>> cfg = OmegaConf.create({"peft": {"merge": True}})
+        >>> model = add_lora(tiny_model("llama", head="causal_lm"), r=2)
+        >>> outputs = save_outputs(cfg, model, build_tokenizer(["a"]), Path(tempfile.mkdtemp()))
+        >>> sorted(outputs), sorted(path.name for path in Path(outputs["adapter"]).iterdir())[:2]
+        (['adapter', 'merged_model'], ['README.md', 'adapter_config.json'])
+    """
+    outputs = {}
+    if cfg.get("peft"):
+        model.save_pretrained(output_dir / "adapter")
+        tokenizer.save_pretrained(output_dir / "adapter")
+        outputs["adapter"] = str(output_dir / "adapter")
+        if cfg.peft.get("merge") or gated or gate_parameters(model):
+            merged = copy.deepcopy(model)
+            if is_attached(merged):
+                detach(merged)  # folds gates into the base weights and the adapter first
+            merged = merged.merge_and_unload()
+            merged.save_pretrained(output_dir / "merged_model")
+            tokenizer.save_pretrained(output_dir / "merged_model")
+            outputs["merged_model"] = str(output_dir / "merged_model")
+    elif cfg.get("save_model") and not pruned:
+        saved = copy.deepcopy(model)
+        if is_attached(saved):
+            detach(saved)
+        saved.save_pretrained(output_dir / "model")
+        tokenizer.save_pretrained(output_dir / "model")
+        outputs["model"] = str(output_dir / "model")
+    return outputs
 
 
 def count_causal_rows(data: Any, model: PreTrainedModel) -> None:

@@ -1,0 +1,562 @@
+"""Data for the decoder tasks of the training app: causal LM on plain text and chat SFT on rows of messages.
+
+`LMDataModule` reads sentences from a CoNLL-U file (with their parses: the syntax prior needs no parser), a text
+file (one text a line, parsed with spaCy when a prior needs a parse) or a `datasets` dataset (`HubLMDataModule`);
+`AgreementLMDataModule` generates sentences of the built-in grammar with their trees (no file, for tiny runs).
+Batches are padded to their longest row (variable length), and `labels` are the input ids with -100 on padding:
+the next-token loss is over real tokens only.
+
+`ChatDataModule` reads rows of `{"messages": [{"role": ..., "content": ...}, ...]}` (JSON lines, or a `datasets`
+dataset with a messages column), rendered with the tokenizer's chat template; `labels` keep only the assistant's
+tokens (the end-of-turn marker the template writes after each reply included). With the prior on, the last
+assistant reply is parsed (or read from the row's `parse`) and the prior covers its words and no template token
+(`attnreg.syntax.SyntaxCollator(messages=...)`).
+
+Every row is checked when the data is set up, before training: an empty or malformed CoNLL-U file, a parse whose
+words are not in its text, a chat row without an assistant turn, a tokenizer without a chat template are refused
+naming the file and row.
+
+Example:
+    >>> import warnings
+    >>> data = AgreementLMDataModule(train=8, val=4, seed=0, batch_size=4, with_prior=True)
+    >>> data.setup("fit")
+    >>> with warnings.catch_warnings(record=True):                 # words whose parent is to their right
+    ...     batch = next(iter(data.val_dataloader()))
+    >>> sorted(batch), bool((batch["labels"] == -100).eq(batch["attention_mask"] == 0).all())
+    (['attention_mask', 'attnreg_prior', 'input_ids', 'labels'], True)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from attnreg.app.datamodules import _load_hub_dataset, frequent_words
+from attnreg.app.task import build_tokenizer, generate, vocabulary
+from attnreg.syntax.align import word_spans
+from attnreg.syntax.data import SyntaxCollator
+from attnreg.syntax.priors import SyntaxPrior
+from attnreg.syntax.trees import Sentence, read_conllu
+
+DEFAULT_PROMPTS = ("The capital of France is", "My favourite food is", "To make a cup of tea, you")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class LMCollator:
+    """Texts (or `Sentence`s) to causal-LM inputs: padded to the batch's longest row, `labels` -100 on padding.
+
+    Example:
+        >>> collate = LMCollator(build_tokenizer(["a", "b"]), max_length=8)
+        >>> batch = collate([{"text": "a b a"}, {"text": "b"}])
+        >>> batch["input_ids"], batch["labels"]
+        (tensor([[2, 5, 6, 5, 3],
+                [2, 6, 3, 0, 0]]), tensor([[   2,    5,    6,    5,    3],
+                [   2,    6,    3, -100, -100]]))
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None = 128) -> None:
+        self.tokenizer, self.max_length = tokenizer, max_length
+
+    def __call__(self, examples: Sequence[Sentence | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        texts = [example.text if isinstance(example, Sentence) else example["text"] for example in examples]
+        encoding = self.tokenizer(
+            texts, padding=True, truncation=self.max_length is not None, max_length=self.max_length, return_tensors="pt"
+        )
+        batch = {key: encoding[key] for key in ("input_ids", "attention_mask")}
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """A random order of `size` items drawn from (`seed`, epoch) alone; Lightning calls `set_epoch` at each epoch, so
+    the order does not depend on what else drew random numbers, and a run resumed from a checkpoint sees the
+    batches the uninterrupted one saw.
+
+    Example:
+        >>> sampler = EpochSampler(5, seed=0)
+        >>> first = list(sampler); sampler.set_epoch(1); second = list(sampler)
+        >>> sorted(first) == list(range(5)), first != second, list(EpochSampler(5, seed=0)) == first
+        (True, True, True)
+    """
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+class DecoderDataModule(L.LightningDataModule):
+    """What the decoder data modules share: the tokenizer (a word-level one built from the training texts when the
+    model brings none), loaders with a collator built once (its prior counts cover the run), held-out sentences with
+    trees for parent accuracy, and prompts for greedy continuations. Subclasses fill `self.datasets` in `setup`."""
+
+    task = "causal_lm"
+    num_labels = None
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        with_prior: bool = False,
+        prior: str | Mapping[str, Any] = "parent",
+        batch_size: int = 8,
+        eval_batch_size: int = 32,
+        max_length: int | None = 128,
+        num_workers: int = 0,
+        vocab_size: int = 8000,
+        prompts: Sequence[str] = DEFAULT_PROMPTS,
+        chat_template: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.seed = seed
+        self._tokenizer = tokenizer
+        self.with_prior = with_prior
+        self.prior = SyntaxPrior(prior) if isinstance(prior, str) else SyntaxPrior(**prior)
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.max_length, self.num_workers, self.vocab_size = max_length, num_workers, vocab_size
+        self.prompts = list(prompts)
+        self.chat_template = chat_template
+        self.datasets: dict[str, list] = {}
+        self._collate: Callable | None = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer, else a word-level one over the training texts' `vocab_size` most frequent words
+        (random models); `chat_template`, when set, replaces the tokenizer's."""
+        if self._tokenizer is None:
+            self._tokenizer = build_tokenizer(frequent_words(self.vocabulary_texts(), self.vocab_size))
+        if self.chat_template is not None and self._tokenizer.chat_template != self.chat_template:
+            self._tokenizer.chat_template = self.chat_template
+        return self._tokenizer
+
+    def vocabulary_texts(self) -> list[str]:
+        """The texts a word-level tokenizer is built from (the training split's)."""
+        self.setup("fit")
+        return [_text(example) for example in self.datasets["train"]]
+
+    def collator(self) -> Callable:
+        if self._collate is None:
+            self._collate = self.build_collator()
+        return self._collate
+
+    def build_collator(self) -> Callable:
+        if self.with_prior:
+            return SyntaxCollator(
+                self.tokenizer, prior=self.prior, max_length=self.max_length, causal=True, lm_labels=True
+            )
+        return LMCollator(self.tokenizer, max_length=self.max_length)
+
+    def loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        """`split`'s loader; shuffled by `EpochSampler` (an order per seed and epoch: a resumed run sees the batches
+        the uninterrupted one would)."""
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.batch_size if shuffle else self.eval_batch_size,
+            sampler=EpochSampler(len(self.datasets[split]), self.seed) if shuffle else None,
+            collate_fn=self.collator(),
+            num_workers=self.num_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader("val")
+
+    def eval_sets(self) -> dict[str, DataLoader]:
+        return {"val": self.loader("val")}
+
+    def tree_sentences(self) -> list[Sentence] | None:
+        """Held-out sentences with trees (parent accuracy), None when the data has none."""
+        sentences = [example for example in self.datasets.get("val", []) if isinstance(example, Sentence)]
+        return sentences or None
+
+
+class LMDataModule(DecoderDataModule):
+    r"""Causal LM on the sentences of files: CoNLL-U (`.conllu`, `.conllu.gz`: gold trees) or text (one text a line;
+    parsed with spaCy, the `parse` extra, when `with_prior`). `limit_train`/`limit_val` keep the first n rows,
+    `min_words` drops shorter sentences.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "train.txt").write_text("the dog sees a cat\n\nthe cats run\n")
+        >>> data = LMDataModule(str(folder / "train.txt"), str(folder / "train.txt"), batch_size=2)
+        >>> data.setup("fit"); data.datasets["train"]                          # empty lines are skipped
+        [{'text': 'the dog sees a cat'}, {'text': 'the cats run'}]
+        >>> _ = (folder / "empty.txt").write_text("\n")
+        >>> LMDataModule(str(folder / "empty.txt"), str(folder / "train.txt")).setup("fit")
+        Traceback (most recent call last):
+        ...
+        ValueError: /.../empty.txt: no sentence (with at least 1 word) in the file
+    """
+
+    def __init__(
+        self,
+        train: str,
+        val: str,
+        limit_train: int | None = None,
+        limit_val: int | None = None,
+        min_words: int = 1,
+        min_words_val: int = 1,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.files = {"train": train, "val": val}
+        self.limits = {"train": limit_train, "val": limit_val}
+        self.min_words = {"train": min_words, "val": min_words_val}
+
+    def read(self, split: str) -> list[Sentence | dict[str, str]]:
+        path = Path(self.files[split]).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.{split}: {path} does not exist (resolved: {path.resolve()})")
+        if path.name.endswith((".conllu", ".conllu.gz")):
+            rows: list = [s for s in read_conllu(path) if len(s.words) >= self.min_words[split]]
+            for sentence in rows:
+                word_spans(sentence)  # raises naming file:line when the words are not in the text
+        else:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            rows = [{"text": line.strip()} for line in lines if len(line.split()) >= max(self.min_words[split], 1)]
+        if not rows:
+            raise ValueError(f"{path}: no sentence (with at least {self.min_words[split]} word) in the file")
+        return rows
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        for split in ("train", "val"):
+            rows = self.read(split)[: self.limits[split]]
+            if self.with_prior and rows and not isinstance(rows[0], Sentence):
+                from attnreg.syntax.parse import parse_texts
+
+                rows = parse_texts([row["text"] for row in rows])
+            self.datasets[split] = rows
+
+
+class HubLMDataModule(LMDataModule):
+    """Causal LM on a `datasets` dataset's `text_field` (a hub name, or a builder such as "text" or "json" with
+    `data_files`); parsed with spaCy when `with_prior`.
+
+    Example:
+        >>> data = HubLMDataModule("text", data_files={"train": "a.txt", "validation": "b.txt"})   # loads when set up
+        >>> data.splits, data.text_field
+        ({'train': 'train', 'val': 'validation'}, 'text')
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        data_files: Any = None,
+        text_field: str = "text",
+        train_split: str = "train",
+        val_split: str = "validation",
+        **options: Any,
+    ) -> None:
+        super().__init__(train="", val="", **options)
+        self.path, self.name, self.data_files, self.text_field = path, name, data_files, text_field
+        self.splits = {"train": train_split, "val": val_split}
+
+    def read(self, split: str) -> list[dict[str, str]]:
+        dataset = _load_hub_dataset(self.path, self.name, self.data_files, self.splits[split])
+        if self.text_field not in dataset.column_names:
+            raise KeyError(
+                f"dataset {self.path!r} split {self.splits[split]!r} has no column {self.text_field!r}; its columns "
+                f"are {dataset.column_names} (set data.text_field)"
+            )
+        least = max(self.min_words[split], 1)
+        rows = [{"text": text.strip()} for text in dataset[self.text_field] if len(text.split()) >= least]
+        if not rows:
+            raise ValueError(f"dataset {self.path!r} split {self.splits[split]!r}: no text")
+        return rows
+
+
+class AgreementLMDataModule(DecoderDataModule):
+    """Sentences of the built-in grammar (`attnreg.app.task`) with their gold trees, the masked subject written out
+    in its number: causal LM with no file and no parser (tiny runs, tests).
+
+    Example:
+        >>> data = AgreementLMDataModule(train=4, val=2, seed=0); data.setup()
+        >>> data.datasets["val"][0].text
+        'your dog behind your box that finds your key sees their tables that push my cats that like our table .'
+    """
+
+    def __init__(self, train: int = 500, val: int = 100, seed: int = 0, **options: Any) -> None:
+        options.setdefault("prompts", ("the dog", "the cats that see"))
+        super().__init__(seed=seed, **options)
+        self.sizes = {"train": train, "val": val}
+
+    def vocabulary_texts(self) -> list[str]:
+        return [" ".join(vocabulary())]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        for offset, split in enumerate(("train", "val")):
+            self.datasets[split] = grammar_sentences(self.sizes[split], self.seed + 1000 * offset)
+
+
+def grammar_sentences(count: int, seed: int) -> list[Sentence]:
+    """`count` sentences of the built-in grammar with gold trees, the masked subject written out in its number.
+
+    Example:
+        >>> [sentence.text for sentence in grammar_sentences(2, seed=1)]
+        ['your dog watches my keys that know the cat .', 'our dogs know my cats that your teacher that sees ...']
+    """
+    import dataclasses
+
+    from attnreg.app.task import MASK
+
+    out = []
+    for example in generate(count, seed=seed):
+        noun = "dogs" if example.label else "dog"
+        words = tuple(noun if word == MASK else word for word in example.sentence.words)
+        out.append(dataclasses.replace(example.sentence, words=words, text=" ".join(words), spans=None))
+    return out
+
+
+# -- chat SFT ----------------------------------------------------------------------------------------------------
+
+
+class ChatCollator:
+    """Rows of messages to chat-SFT inputs: each row rendered with the tokenizer's chat template (no special tokens
+    added on top), `labels` the input ids on the assistant's tokens and -100 elsewhere. With a `prior`, the last
+    assistant reply's words carry it (`SyntaxCollator(messages=...)`: no template token gets a prior row).
+
+    Example:
+        >>> tokenizer = build_tokenizer(["hi", "hello", "there", "user", "assistant", "<", ">", "|"])
+        >>> tokenizer.chat_template = TINY_CHAT_TEMPLATE
+        >>> row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+        >>> batch = ChatCollator(tokenizer)([row])
+        >>> tokenizer.decode(batch["input_ids"][0]), tokenizer.decode(batch["labels"][0][batch["labels"][0] >= 0])
+        ('< | user | > hi < | assistant | > hello there', 'hello there')
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prior: SyntaxPrior | None = None, max_length: int | None = 256
+    ) -> None:
+        check_chat_template(tokenizer)
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.causal = True
+        self.syntax = (
+            SyntaxCollator(tokenizer, prior=prior, max_length=max_length, causal=True, messages=self._conversation)
+            if prior is not None
+            else None
+        )
+        self._pending: list[list[dict[str, str]]] = []
+
+    @property
+    def stats(self) -> Any:
+        """The prior's counts (`SyntaxCollator.stats`); None without a prior."""
+        return None if self.syntax is None else self.syntax.stats
+
+    def _conversation(self, text: str) -> list[dict[str, str]]:
+        messages = self._pending.pop(0)
+        assert messages[last_assistant(messages)]["content"] == text
+        return messages
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        rendered = [render_chat(self.tokenizer, row["messages"], row.get("where", "row")) for row in rows]
+        texts = [text for text, _ in rendered]
+        options = {"padding": True, "truncation": self.max_length is not None, "max_length": self.max_length}
+        encoding = self.tokenizer(
+            texts, add_special_tokens=False, return_offsets_mapping=True, return_tensors="pt", **options
+        )
+        if self.syntax is not None:
+            self._pending = [list(row["messages"]) for row in rows]
+            batch = self.syntax([row["sentence"] for row in rows])
+            assert torch.equal(batch["input_ids"], encoding["input_ids"])
+        else:
+            batch = {key: encoding[key] for key in ("input_ids", "attention_mask")}
+        starts, ends = encoding["offset_mapping"][..., 0], encoding["offset_mapping"][..., 1]
+        assistant = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+        for row, (_, spans) in enumerate(rendered):
+            for begin, end in spans:
+                assistant[row] |= (starts[row] >= begin) & (starts[row] < end) & (ends[row] > starts[row])
+        keep = assistant & batch["attention_mask"].bool()
+        batch["labels"] = batch["input_ids"].masked_fill(~keep, -100)
+        return batch
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} <|assistant|> {% endif %}"
+)
+"""A minimal chat template (tests, tiny word-level tokenizers): `<|role|> content` turns separated by spaces."""
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a tokenizer without a chat template, saying how to give one.
+
+    Example:
+        >>> check_chat_template(build_tokenizer(["a"]))
+        Traceback (most recent call last):
+        ...
+        ValueError: chat data needs a tokenizer with a chat template; ... has none: use an instruct model's ...
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"chat data needs a tokenizer with a chat template; {type(tokenizer).__name__} (name_or_path "
+            f"{tokenizer.name_or_path!r}) has none: use an instruct model's tokenizer or set data.chat_template"
+        )
+
+
+def last_assistant(messages: Sequence[Mapping[str, str]]) -> int:
+    """Index of the last assistant turn; -1 when there is none."""
+    roles = [message.get("role") for message in messages]
+    return len(roles) - 1 - roles[::-1].index("assistant") if "assistant" in roles else -1
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], where: str = "row"
+) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered by the chat template and the character spans of the assistant's replies: each from
+    the end of the conversation before it (with the generation prompt) to the end of the conversation with it.
+    Raises naming `where` when the template does not render a conversation as an extension of its beginning.
+
+    Example:
+        >>> tokenizer = build_tokenizer(["a"]); tokenizer.chat_template = TINY_CHAT_TEMPLATE
+        >>> render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+        ('<|user|> hi <|assistant|> yo', [(26, 28)])
+    """
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(list(messages[:index]), tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(list(messages[: index + 1]), tokenize=False)
+        if not (text.startswith(upto) and upto.startswith(before)):
+            raise ValueError(
+                f"{where}: the chat template does not render the conversation up to assistant turn {index} as the "
+                "beginning of the whole one, so the assistant's tokens cannot be found"
+            )
+        spans.append((len(before), len(upto)))
+    return text, spans
+
+
+def check_messages(row: Any, where: str) -> list[dict[str, str]]:
+    """The row's messages, checked: a list of {"role", "content"} with known roles and at least one assistant turn.
+
+    Example:
+        >>> check_messages({"messages": [{"role": "user", "content": "hi"}]}, "chat.jsonl:3")
+        Traceback (most recent call last):
+        ...
+        ValueError: chat.jsonl:3: no assistant turn (roles ['user']): nothing to train on
+    """
+    messages = row.get("messages") if isinstance(row, Mapping) else None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: expected a non-empty 'messages' list, got {type(messages).__name__}")
+    for turn in messages:
+        if not isinstance(turn, Mapping) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
+            raise ValueError(f"{where}: each message needs a role in {list(ROLES)} and a string content, got {turn!r}")
+    if last_assistant(messages) < 0:
+        raise ValueError(f"{where}: no assistant turn (roles {[t['role'] for t in messages]}): nothing to train on")
+    return [dict(turn) for turn in messages]
+
+
+class ChatDataModule(DecoderDataModule):
+    """Chat SFT on JSON lines files (`train`, `val`), one `{"messages": [...]}` row a line; a row may carry the parse
+    of its last assistant reply as `"parse": {"words", "heads", "relations"}` (else, with the prior on, spaCy parses
+    it). Rows are checked when set up (see `check_messages`), the chat template too.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp(), "chat.jsonl")
+        >>> _ = path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\\n')
+        >>> ChatDataModule(str(path), str(path), chat_template=TINY_CHAT_TEMPLATE).setup("fit")
+        Traceback (most recent call last):
+        ...
+        ValueError: /.../chat.jsonl:1: no assistant turn (roles ['user']): nothing to train on
+    """
+
+    task = "chat"
+
+    def __init__(self, train: str, val: str, limit_train: int | None = None, **options: Any) -> None:
+        super().__init__(**options)
+        self.files = {"train": train, "val": val}
+        self.limit_train = limit_train
+
+    def read_rows(self, split: str) -> list[tuple[str, Any]]:
+        """(where, row) of `split`'s JSON lines."""
+        path = Path(self.files[split]).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.{split}: {path} does not exist (resolved: {path.resolve()})")
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append((f"{path}:{number}", json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from error
+        if not rows:
+            raise ValueError(f"{path}: no row in the file")
+        return rows
+
+    def vocabulary_texts(self) -> list[str]:
+        markers = " ".join([*ROLES, "<", "|", ">"])  # what the pieces of a `<|role|>` template split into
+        return [markers, *(turn["content"] for _, row in self.read_rows("train") for turn in row.get("messages") or [])]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        check_chat_template(self.tokenizer)
+        for split in ("train", "val"):
+            rows = self.read_rows(split)[: self.limit_train if split == "train" else None]
+            items = []
+            for where, row in rows:
+                messages = check_messages(row, where)
+                render_chat(self.tokenizer, messages, where)
+                items.append({"messages": messages, "where": where, "sentence": self.reply(row, messages, where)})
+            if self.with_prior:
+                self._parse_missing(items)
+            self.datasets[split] = items
+
+    def reply(self, row: Mapping[str, Any], messages: list[dict[str, str]], where: str) -> Sentence | None:
+        """The last assistant reply as a `Sentence` when the row gives its parse (else None: parsed if needed)."""
+        parse = row.get("parse")
+        if parse is None:
+            return None
+        text = messages[last_assistant(messages)]["content"]
+        sentence = Sentence(where, tuple(parse["words"]), tuple(parse["heads"]), tuple(parse["relations"]), text)
+        word_spans(sentence)
+        return sentence
+
+    def _parse_missing(self, items: list[dict[str, Any]]) -> None:
+        missing = [item for item in items if item["sentence"] is None]
+        if missing:
+            from attnreg.syntax.parse import parse_texts
+
+            texts = [item["messages"][last_assistant(item["messages"])]["content"] for item in missing]
+            for item, sentence in zip(missing, parse_texts(texts), strict=True):
+                item["sentence"] = sentence
+
+    def build_collator(self) -> Callable:
+        return ChatCollator(self.tokenizer, self.prior if self.with_prior else None, self.max_length)
+
+    def tree_sentences(self) -> list[Sentence] | None:
+        sentences = [item["sentence"] for item in self.datasets.get("val", []) if item["sentence"] is not None]
+        return sentences or None
+
+
+def _text(example: Any) -> str:
+    if isinstance(example, Sentence):
+        return example.text
+    if "messages" in example:
+        return " ".join(turn["content"] for turn in example["messages"])
+    return example["text"]
