@@ -205,6 +205,22 @@ def test_gates_train_beside_lora_in_the_trainer_and_heads_go_mid_run_with_the_ad
         assert int(optimizer.state[parameter]["step"]) == 6
 
 
+@pytest.mark.parametrize("gates", ["l1", "hard_concrete"])
+def test_gates_beside_lora_aiming_at_a_count_of_key_value_groups_remove_whole_groups(tmp_path, gates):
+    trainer, gating = lora_trainer(tmp_path, gates, attnreg.methods.Removal(keep=3, groups=True, after_steps=4))
+    trainer.train()
+    base = trainer.model.get_base_model()
+    removed = gating.rounds[0].report.removed  # one group of 4 goes, whole: its 2 query heads and their k/v head
+    assert not pruning.silenced_heads(base) and sum(map(len, removed.values())) == 2
+    assert all(
+        len(heads) == 2 and heads[0] % 2 == 0 and heads[1] == heads[0] + 1 for heads in removed.values() if heads
+    )
+    adapters_fit_their_base(trainer.model)
+    assert trainer.state.global_step == 6 and gating.pruned_at_step == 4
+    if gates == "hard_concrete":  # the Lagrangian's target, in heads: 3 groups of 2 query heads
+        assert gating.target(5) == 6 and gating.target(0) > 7
+
+
 def test_a_removal_failing_at_the_end_keeps_the_trained_model_and_adapter_gated(tmp_path, monkeypatch):
     trainer, gating = lora_trainer(tmp_path, "l1", attnreg.methods.Removal(keep=4), max_steps=3)
 
@@ -311,3 +327,9 @@ def test_lightning_resumes_after_a_mid_run_removal_with_lora_to_the_uninterrupte
 
     whole = run()
     assert_same(run(resume=str(tmp_path / "step4.ckpt")), whole)
+
+
+def test_a_count_of_key_value_groups_is_checked_against_the_model():
+    gating = attnreg.methods.HeadGating(attnreg.methods.L1Gates(), attnreg.methods.Removal(keep=5, groups=True))
+    with pytest.raises(ValueError, match=r"keep=5 key/value groups, but the gated layers \[0, 1\] have only 4"):
+        gating.bind(tiny_model("llama"), taken=set())

@@ -55,6 +55,7 @@ from attnreg.methods.pruning.importance import (
     PruningStep,
     head_importance,
     iterative_pruning,
+    select_groups,
     select_heads,
 )
 from attnreg.methods.pruning.optimizer_state import drop_from_optimizer, slice_optimizer_state
@@ -98,6 +99,7 @@ __all__ = [
     "restore_saved_pruning",
     "save_adapters",
     "save_pruned",
+    "select_groups",
     "select_heads",
     "silence_heads",
     "silenced_heads",

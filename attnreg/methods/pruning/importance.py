@@ -267,3 +267,36 @@ class HeadImportance(Method):
             self.curve = iterative_pruning(
                 model, self.dataloader, self.metric_fn, self.fraction, self.stop_ratio, self.loss_fn
             )
+
+
+def select_groups(
+    scores: Mapping[int, torch.Tensor],
+    group_size: Mapping[int, int],
+    threshold: float | None = None,
+    keep: int | None = None,
+) -> dict[int, list[int]]:
+    """Heads to remove by whole key/value groups, as current positions per layer: a group (`group_size[layer]`
+    consecutive query heads sharing a key/value head) scores the mean of its heads (+inf if any head is +inf, a
+    protected head); then the groups below `threshold` go, or all but the `keep` best groups overall.
+
+    Example:
+        >>> scores = {0: torch.tensor([0.9, 0.7, 0.1, 0.2]), 1: torch.tensor([0.3, 0.1, 0.8, float("inf")])}
+        >>> select_groups(scores, {0: 2, 1: 2}, keep=2), select_groups(scores, {0: 2, 1: 2}, threshold=0.5)
+        ({0: [2, 3], 1: [0, 1]}, {0: [2, 3], 1: [0, 1]})
+    """
+    grouped = {}
+    for layer, score in scores.items():
+        size = group_size[layer]
+        if score.numel() % size:
+            raise ValueError(f"layer {layer} has {score.numel()} heads, not whole groups of {size}")
+        members = score.view(-1, size)
+        mean = members.mean(dim=1)
+        grouped[layer] = torch.where(members.isposinf().any(dim=1), torch.inf, mean)
+    try:
+        chosen = select_heads(grouped, threshold=threshold, keep=keep)
+    except ValueError as error:
+        raise ValueError(str(error).replace("heads", "key/value groups")) from None
+    return {
+        layer: [group * group_size[layer] + i for group in groups for i in range(group_size[layer])]
+        for layer, groups in chosen.items()
+    }

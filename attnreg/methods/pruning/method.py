@@ -14,7 +14,9 @@ Three small configs, each a frozen dataclass a Hydra config can name:
 - `Removal`: which heads go (all but the `keep` best, else those scoring below `threshold`; never those
   in `protect`, `{layer: [original head numbers]}`, such as the heads a syntax prior supervises) and when
   (the end of training by default; `after_steps` optimizer steps or `after_epochs` epochs; or
-  progressively at `milestones`, `(progress, heads kept)` pairs).
+  progressively at `milestones`, `(progress, heads kept)` pairs). With `groups`, whole key/value groups go
+  and `keep` (and the milestones, and the Lagrangian's target) count groups: a grouped-query model loses a
+  key/value head only with all its query heads, so nothing is left silenced in place.
 
 Grouped-query layers follow `attnreg.methods.pruning.prune_heads`: a chosen query head whose key/value group
 stays is silenced exactly, and chosen again in a later round.
@@ -243,6 +245,8 @@ class Removal:
         Traceback (most recent call last):
         ...
         ValueError: Removal: protect holds 2 heads, more than keep=1 heads kept
+        >>> Removal(keep=2, groups=True).groups                      # keep 2 key/value groups, each whole
+        True
     """
 
     threshold: float = 0.1
@@ -251,6 +255,7 @@ class Removal:
     after_epochs: int | None = None
     milestones: Milestones | None = field(default=None)
     protect: Mapping[int, Sequence[int]] | None = field(default=None, hash=False)
+    groups: bool = False
 
     def __post_init__(self) -> None:
         _check_positive(self.threshold, "threshold")
@@ -266,7 +271,7 @@ class Removal:
         object.__setattr__(self, "protect", protect or None)
         counted = sum(len(heads) for heads in protect.values())
         fewest = min((count for _, count in milestones), default=self.keep)
-        if fewest is not None and counted > fewest:
+        if fewest is not None and counted > fewest and not self.groups:
             raise ValueError(f"Removal: protect holds {counted} heads, more than keep={fewest} heads kept")
 
     @property
@@ -345,6 +350,7 @@ class HeadGating(Method):
         self.layers: tuple[int, ...] = ()  # captured for the term: none
         self.gated_layers: tuple[int, ...] = ()
         self.gated_heads = 0
+        self.group_sizes: dict[int, int] = {}  # query heads per key/value head, by gated layer
         self.multipliers = torch.zeros(2, requires_grad=True)  # CoFi's lambda_1, lambda_2 (a leaf on the CPU)
         self.dual_optimizer = self._new_dual_optimizer()
         self._gaps: list[torch.Tensor] = []  # constraint gaps of the micro-batches since the last optimizer step
@@ -386,13 +392,30 @@ class HeadGating(Method):
         self.gated_layers = tuple(layer for layer in layers if hub.layers[layer].num_heads > 0)
         self.gated_heads = sum(hub.layers[layer].num_heads for layer in self.gated_layers)
         removal = self.removal
+        family = hub.family
+        self.group_sizes = {}
+        for layer in self.gated_layers:
+            num_heads, num_kv = family.head_counts(family.attention_module(model, layer))
+            self.group_sizes[layer] = num_heads // num_kv
+        sizes = set(self.group_sizes.values())
+        if removal.groups and self.lagrangian and len(sizes) > 1:
+            raise ValueError(
+                f"HeadGating: a target in key/value groups needs one group size in the gated layers, got "
+                f"{self.group_sizes} query heads per group"
+            )
+        units = "key/value groups" if removal.groups else "heads"
+        available = (
+            sum(heads // self.group_sizes[layer] for layer, heads in self._heads_per_layer().items())
+            if removal.groups
+            else self.gated_heads
+        )
         most, what = (
             (removal.milestones[0][1], "the first milestone keeps ") if removal.milestones else (removal.keep, "keep=")
         )
-        if most is not None and most > self.gated_heads and not self.pruned:
+        if most is not None and most > available and not self.pruned:
             raise ValueError(
-                f"HeadGating: {what}{most} heads, but the gated layers {list(self.gated_layers)} have only "
-                f"{self.gated_heads}"
+                f"HeadGating: {what}{most} {units}, but the gated layers {list(self.gated_layers)} have only "
+                f"{available}"
             )
         for layer, heads in (removal.protect or {}).items():
             if layer not in self.gated_layers:
@@ -413,6 +436,13 @@ class HeadGating(Method):
             raise TypeError(f"HeadGating: {error}") from None
         for layer in self.gated_layers:
             self.gates.make(hub, layer)
+
+    def _heads_per_layer(self) -> dict[int, int]:
+        return {layer: self.hub.layers[layer].num_heads for layer in self.gated_layers}
+
+    def _in_heads(self, count: int) -> int:
+        """A count of `Removal` (heads, or key/value groups with `groups`) in heads."""
+        return count * next(iter(self.group_sizes.values()), 1) if self.removal.groups else count
 
     def start(self, estimated_steps: float) -> None:
         super().start(estimated_steps)
@@ -441,8 +471,9 @@ class HeadGating(Method):
         """
         warmup = self.gates.target_warmup
         ramp = 1.0 if warmup == 0 else min(1.0, self.progress(step) / warmup)
-        start = max(self.initial_heads(), self.removal.keep)
-        return start - (start - self.removal.keep) * ramp
+        keep = self._in_heads(self.removal.keep)
+        start = max(self.initial_heads(), keep)
+        return start - (start - keep) * ramp
 
     def term(self, probs: AttentionRecord, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the penalty, figures to log) for one micro-batch at optimizer step `step`; 0 once pruned."""
@@ -527,8 +558,8 @@ class HeadGating(Method):
             return {layer: self.gates.score(self._gate(layer)).float().cpu() for layer in self.gated_layers}
 
     def choose(self, keep: int | None) -> dict[int, list[int]]:
-        """Current positions of the heads to remove: all but the `keep` best, else those below the threshold;
-        never a protected head."""
+        """Current positions of the heads to remove: all but the `keep` best (heads, or key/value groups with
+        `Removal.groups`), else those below the threshold; never a protected head."""
         model = self.require_bound()
         scores = self.scores()
         for layer, heads in pruning.silenced_heads(model).items():  # chosen before, kept by the grouped-query rule
@@ -539,7 +570,10 @@ class HeadGating(Method):
             if layer in scores:
                 numbers = pruning.head_numbers(model, layer)
                 scores[layer][[numbers.index(head) for head in heads if head in numbers]] = math.inf
-        return pruning.select_heads(scores, threshold=self.removal.threshold if keep is None else None, keep=keep)
+        threshold = self.removal.threshold if keep is None else None
+        if self.removal.groups:
+            return pruning.select_groups(scores, self.group_sizes, threshold=threshold, keep=keep)
+        return pruning.select_heads(scores, threshold=threshold, keep=keep)
 
     def prune(
         self,
