@@ -505,3 +505,18 @@ def test_training_with_a_tokenizer_that_knows_none_of_the_words_warns():
         said = [str(w.message) for w in caught[quiet:]]
         assert quiet == 0 and len(said) == 1, said
         assert said[0].startswith(f"{collate.__name__}: the tokenizer cannot tokenize the text: 100% of the 3 words")
+
+
+def test_from_pretrained_on_a_save_pruned_folder_points_to_load_pruned(tmp_path, capfd, caplog):
+    from transformers import AutoModelForSequenceClassification
+
+    from attnreg.methods.pruning import load_pruned, prune_heads, pruned_heads, save_pruned
+
+    model = tiny_model("bert", head="classification")
+    prune_heads(model, {0: [1, 3]})
+    save_pruned(model, tmp_path)
+    with pytest.raises(RuntimeError):
+        AutoModelForSequenceClassification.from_pretrained(tmp_path)  # the config keeps 4 heads a layer
+    report = capfd.readouterr().err + caplog.text  # transformers' load report: its handler, or pytest's capture
+    assert "load_this_folder_with__attnreg_methods_pruning_load_pruned | UNEXPECTED" in report  # what a user sees
+    assert pruned_heads(load_pruned(tmp_path)) == {0: (1, 3)}  # and load_pruned takes the pointer out

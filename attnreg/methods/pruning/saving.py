@@ -24,6 +24,10 @@ from attnreg.methods.pruning.surgery import prune_heads, silence_heads
 SPEC_FILE = "attnreg_pruning.json"
 _SAVE_PARAMETERS = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
 _SPEC_FORMAT = 1
+LOAD_WITH = "attnreg_pruned_heads__load_this_folder_with__attnreg_methods_pruning_load_pruned"
+"""A one-number tensor `save_pruned` adds to the weights of a model with removed heads: transformers'
+`from_pretrained` cannot load them (the config keeps the original head counts) and lists this key at the top of
+its load report, so the name says what does; `load_pruned` leaves it out."""
 
 
 def save_pruned(
@@ -57,6 +61,8 @@ def save_pruned(
     adapters = weights.adapter_layers(model)
     if adapters:
         options["state_dict"] = weights.without_adapters(model)
+    if pruned_heads(model):  # a pointer to load_pruned in what from_pretrained reports
+        options["state_dict"] = {**options.get("state_dict", model.state_dict()), LOAD_WITH: torch.zeros(1)}
     type(model).save_pretrained(model, directory, **options)
     if adapters:
         save_adapters(model, directory)
@@ -245,7 +251,7 @@ def _weight_names(directory: Path) -> list[str]:
     names = []
     for path in _weight_files(directory):
         with safe_open(path, framework="pt") as weights:
-            names += list(weights.keys())
+            names += [name for name in weights.keys() if name != LOAD_WITH]
     return names
 
 
@@ -253,6 +259,7 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     weights = {}
     for path in _weight_files(directory):
         weights.update(load_file(path))
+    weights.pop(LOAD_WITH, None)
     return weights
 
 
