@@ -299,17 +299,25 @@ def _blocks(
         raise ValueError(f"{query.shape[1]} query heads cannot share {kv_heads} key/value heads evenly")
     group = query.shape[1] // kv_heads
     chosen = list(range(query.shape[1])) if heads is None else list(heads)
-    ranked = sorted(range(len(chosen)), key=lambda i: chosen[i])
-    order = None if ranked == list(range(len(chosen))) else sorted(range(len(chosen)), key=lambda i: ranked[i])
+    ranked = [i for head in range(query.shape[1]) for i, other in enumerate(chosen) if other == head]  # traceable
+    order = None
+    if ranked != list(range(len(chosen))):
+        order = [0] * len(chosen)
+        for rank, position in enumerate(ranked):
+            order[position] = rank
     shared: dict[int, list[int]] = {}
-    for head in sorted(chosen):
+    ordered = [chosen[i] for i in ranked]
+    for head in ordered:
         shared.setdefault(head // group, []).append(head)
     even = len({len(members) for members in shared.values()}) == 1
-    sets = [sorted(chosen)] if even else list(shared.values())
+    sets = [ordered] if even else list(shared.values())
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] > 1
     parts = []
     for members in sets:
-        part_query, part_key = _heads(query, members), _heads(key, sorted({head // group for head in members}))
+        part_query, part_key = (
+            _heads(query, members),
+            _heads(key, list(dict.fromkeys(head // group for head in members))),
+        )
         part_sinks = None if sinks is None else sinks[members]
         if temperature is not None:
             divide = temperature[members].to(query.dtype).reshape(1, -1, 1, 1)

@@ -390,3 +390,31 @@ def test_grouped_keys_are_never_repeated_the_entropy_keeps_what_sdpa_keeps():
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
         for got, want in zip(fast_grads, slow_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_kl_on_a_grouped_query_model_breaks_the_graph_only_at_the_prior_check():
+    """On a grouped-query model (Llama, 4 query heads sharing 2 key/value heads, padded rows) the blockwise entropy
+    traces as one graph (above) and the blockwise KL breaks it only where `check_prior` reads the prior's values once
+    per batch, outside the attention; the window's row count is not taken under the compiler."""
+    from attnreg import methods
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", head="classification")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    hub = attnreg.attach(model)
+    kl = methods.SyntaxPriorKL(heads={0: [1], 1: [2]})
+    kl.bind(model)
+    kl.start(10)
+    batch = padded_batch()
+    batch["attnreg_prior"] = (torch.arange(batch["input_ids"].shape[1]) - 1).expand_as(batch["input_ids"])
+
+    def step(batch):
+        with hub.capture(kl.layers, True, inputs=True) as record:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return logits.pow(2).mean() + kl.term(record, batch, 0)[0]
+
+    explained = torch._dynamo.explain(step)(batch)
+    assert explained.graph_break_count >= 1
+    assert all(reason.user_stack[-1].name == "check_prior" for reason in explained.break_reasons), [
+        (reason.reason.splitlines()[0], reason.user_stack[-1].name) for reason in explained.break_reasons
+    ]

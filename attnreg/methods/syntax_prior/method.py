@@ -167,8 +167,9 @@ class SyntaxPriorKL(LossTerm):
 
     def _report_window(self, probs: AttentionRecord, prior: torch.Tensor, active: dict) -> None:
         """Say once per layer that its mask (a sliding window) leaves prior rows out of the term, with how many of a
-        batch's: one synchronization per batch, only for layers that received a mask and have not said it yet."""
-        if not isinstance(probs, AttentionRecord):
+        batch's: one synchronization per batch, only for layers that received a mask and have not said it yet; none
+        under `torch.compile`, where the rows are left out all the same but not counted (no graph break)."""
+        if not isinstance(probs, AttentionRecord) or torch.compiler.is_compiling():
             return
         warned = self.__dict__.setdefault("_window_warned", set())
         masks = {layer: probs.attention_mask(layer) for layer in active if layer not in warned}
