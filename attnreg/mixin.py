@@ -1,9 +1,12 @@
-"""`AttnRegMixin`: lets callbacks add loss terms to a LightningModule's training step.
+"""`AttnRegMixin`: the LightningModule side of the Lightning adapter, on `attnreg.methods.Runner`.
 
-A Lightning callback cannot change the loss (Lightning ignores what `on_before_backward` returns), so
-the terms are added here: the mixin wraps the subclass's `training_step`, opens one attention capture
-for all the layers the registered terms need, runs the user's step, and adds every term to what it
-returns (a tensor, or a dict with "loss"). Each term is logged as `attnreg/<name>`.
+A Lightning callback cannot change the loss (Lightning ignores what `on_before_backward` returns), so the
+terms are added here: the mixin wraps the subclass's `training_step` and asks the module's runner
+(`attnreg_runner`, which the callbacks of `attnreg.callbacks` hand their methods to) for the capture
+and the loss. The user's step receives the batch without the entries only the methods read (a syntax
+prior); every term is added to what it returns (a tensor, or a dict with "loss") and logged as
+`attnreg/<name>`. In a checkpoint the module saves the model's structure (heads removed or silenced,
+gates) and rebuilds it before the weights load (the runner's structure event).
 
 Example:
     >>> import lightning
@@ -32,24 +35,23 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from attnreg.compat import lightning_trainer
 from attnreg.hub import AttentionHub, AttentionRecord, attach, find_transformers_model
-from attnreg.methods.pruning import add_pruning_to_checkpoint, restore_pruning
+from attnreg.methods import Method, Runner
 
 TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class AttentionTerm:
-    """A loss term: `fn(record, batch)` returns a scalar; `layers` are captured for it (None = all), their
-    probabilities, or with `inputs` what they received (`hub.capture(..., inputs=True)`).
+class AttentionTerm(Method):
+    """A loss term of a function: `fn(record, batch)` returns a scalar; `layers` are captured for it (None =
+    all), their probabilities, or with `inputs` what they received (`hub.capture(..., inputs=True)`).
 
     Example:
         >>> import lightning
@@ -61,13 +63,30 @@ class AttentionTerm:
         >>> module = Module()
         >>> module.add_attnreg_term("spread", lambda probs, batch: probs[1].var(), layers=1)
         >>> module.attnreg_terms["spread"]
-        AttentionTerm(name='spread', fn=<function <lambda> at ...>, layers=(1,), inputs=False)
+        AttentionTerm(name='spread', layers=(1,), inputs=False)
     """
 
-    name: str
-    fn: TermFunction
-    layers: tuple[int, ...] | None
-    inputs: bool = False
+    def __init__(self, name: str, fn: TermFunction, layers: int | Iterable[int] | None = (), inputs: bool = False):
+        super().__init__(name)
+        self.fn, self.layers, self.inputs = fn, layers, inputs
+
+    def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
+        super().bind(model, taken)
+        self.layers = None if self.layers is None else self.hub.resolve_layers(self.layers)
+
+    def term(self, record: AttentionRecord, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.fn(record, batch), {}
+
+    def __repr__(self) -> str:
+        return f"AttentionTerm(name={self.name!r}, layers={self.layers!r}, inputs={self.inputs!r})"
+
+
+def runner_of(module: nn.Module) -> Runner:
+    """The runner of a LightningModule (made on first use): the methods of its callbacks and terms."""
+    runner = module.__dict__.get("_attnreg_runner")
+    if runner is None:
+        runner = module.__dict__["_attnreg_runner"] = Runner()
+    return runner
 
 
 class AttnRegMixin:
@@ -84,8 +103,8 @@ class AttnRegMixin:
         ...         super().__init__()
         ...         self.model = tiny_model("gpt2")
         >>> module = Module()
-        >>> type(module.attnreg_model).__name__, module.attnreg_hub.num_layers
-        ('GPT2Model', 2)
+        >>> type(module.attnreg_model).__name__, module.attnreg_hub.num_layers, module.attnreg_runner.methods
+        ('GPT2Model', 2, [])
     """
 
     attnreg_model_attr: str | None = None
@@ -97,7 +116,6 @@ class AttnRegMixin:
         if step is not None and not getattr(step, "_attnreg_wrapped", False):
             cls.training_step = _add_terms_to(step)
 
-    # -- the model and its hub ----------------------------------------------------------------
     @property
     def attnreg_model(self) -> PreTrainedModel:
         return find_transformers_model(self)
@@ -107,10 +125,15 @@ class AttnRegMixin:
         """The model's attention hub (attaching the model on first use)."""
         return attach(self.attnreg_model)
 
-    # -- terms ----------------------------------------------------------------------------------
     @property
-    def attnreg_terms(self) -> dict[str, AttentionTerm]:
-        return self.__dict__.setdefault("_attnreg_terms", {})
+    def attnreg_runner(self) -> Runner:
+        """The runner of the module's attnreg methods (`attnreg.methods.Runner`)."""
+        return runner_of(self)
+
+    @property
+    def attnreg_terms(self) -> dict[str, Method]:
+        """The methods with an active loss term, by name."""
+        return {method.name: method for method in self.attnreg_runner.terms}
 
     def add_attnreg_term(
         self, name: str, fn: TermFunction, layers: int | Iterable[int] | None = (), inputs: bool = False
@@ -120,16 +143,17 @@ class AttnRegMixin:
         `layers` are the attention layers `fn` reads from `probs` (None = all, () = none); with `inputs`,
         `fn` reads their `LayerInputs` instead (the layers stay on SDPA; see `attnreg.blockwise`).
         """
-        if name in self.attnreg_terms:
+        runner = self.attnreg_runner
+        if any(method.name == name for method in runner.methods):
             raise ValueError(f"an attnreg term named {name!r} is already registered on {type(self).__name__}")
-        chosen = None if layers is None else self.attnreg_hub.resolve_layers(layers)
-        self.attnreg_terms[name] = AttentionTerm(name, fn, chosen, inputs)
+        runner.add(AttentionTerm(name, fn, layers, inputs))
+        runner.bind(self.attnreg_model)
 
     def remove_attnreg_term(self, name: str) -> None:
-        self.attnreg_terms.pop(name, None)
+        self.attnreg_runner.remove(name)
 
     def attnreg_loss(self) -> torch.Tensor:
-        """The sum of all registered terms for the current training step, each logged.
+        """The sum of all terms for the current training step, each logged.
 
         For users who compose the loss by hand inside `training_step`: once called, the terms are
         not added again to what the step returns.
@@ -151,37 +175,29 @@ class AttnRegMixin:
         step = self.__dict__.get("_attnreg_step")
         if step is None:
             raise RuntimeError("attnreg_loss() can only be called inside training_step (after the forward pass)")
-        records, batch = step
-        total = None
-        for term in self.attnreg_terms.values():
-            value = term.fn(records[term.inputs], batch)
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                raise TypeError(f"attnreg term {term.name!r} must return a scalar tensor, got {value!r}")
-            self.log(f"attnreg/{term.name}", value.detach(), sync_dist=_world_size(self) > 1)
-            total = value if total is None else total + value
+        captured, batch = step
+        runner = self.attnreg_runner
+        total = runner.loss(captured, batch, self.global_step)
+        sync = _world_size(self) > 1
+        for name, value in runner.figures().items():
+            self.log(name, value, sync_dist=sync)
         self.__dict__["_attnreg_step"] = None
         self.__dict__["_attnreg_consumed"] = True
-        return total if total is not None else torch.zeros((), device=self.device)
+        return total if isinstance(total, torch.Tensor) else torch.zeros((), device=self.device)
 
-    # -- checkpoints: a pruned model must get its pruned shapes back before the weights load ------
+    # -- checkpoints: the model's structure, rebuilt before the weights load ------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        add_pruning_to_checkpoint(self.attnreg_model, checkpoint)
+        checkpoint.update(self._attnreg_bound().structure())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        restore_pruning(self.attnreg_model, checkpoint)
+        self._attnreg_bound().restore_structure(checkpoint)
         super().on_load_checkpoint(checkpoint)
 
-    def _capture_layers(self, inputs: bool) -> tuple[int, ...] | None:
-        """The layers the terms read probabilities of (`inputs=False`) or inputs of (`inputs=True`)."""
-        layers: set[int] = set()
-        for term in self.attnreg_terms.values():
-            if term.inputs != inputs:
-                continue
-            if term.layers is None:
-                return None
-            layers.update(term.layers)
-        return tuple(sorted(layers))
+    def _attnreg_bound(self) -> Runner:
+        runner = self.attnreg_runner
+        runner.bind(self.attnreg_model)
+        return runner
 
 
 def _add_terms_to(training_step: Callable) -> Callable:
@@ -190,18 +206,14 @@ def _add_terms_to(training_step: Callable) -> Callable:
         if self.__dict__.get("_attnreg_step") is not None:
             return training_step(self, batch, *args, **kwargs)  # a super() call inside the step
         _warn_if_eval_mode(self)
-        if not self.attnreg_terms:
-            return training_step(self, batch, *args, **kwargs)
-        hub = self.attnreg_hub
+        runner = self.attnreg_runner
+        if not runner.terms:
+            return training_step(self, runner.model_inputs(batch), *args, **kwargs)
         self.__dict__["_attnreg_consumed"] = False
-        require_grad = self.training and torch.is_grad_enabled()
-        with (
-            hub.capture(self._capture_layers(False), require_grad) as probs,
-            hub.capture(self._capture_layers(True), require_grad, inputs=True) as inputs,
-        ):
-            self.__dict__["_attnreg_step"] = ({False: probs, True: inputs}, batch)
+        with runner.capture(self.attnreg_model, self.training and torch.is_grad_enabled()) as captured:
+            self.__dict__["_attnreg_step"] = (captured, batch)
             try:
-                output = training_step(self, batch, *args, **kwargs)
+                output = training_step(self, runner.model_inputs(batch), *args, **kwargs)
                 if self.__dict__["_attnreg_consumed"]:
                     return output
                 if output is None:

@@ -126,12 +126,12 @@ def test_weight_schedule_follows_training_progress():
     callback = attnreg.EntropyRegularizer(weight=Linear(0.0, 1.0), mode="max", layers=[0])
     weights = []
     module = Classifier(model)
-    original = callback.term
+    original = callback.method.term
 
-    def recording(probs, batch):
+    def recording(probs, batch, step):
         weights.append(callback.current_weight())
-        return original(probs, batch)
+        return original(probs, batch, step)
 
-    callback.term = recording
+    callback.method.term = recording
     conftest.fit(module, batches(4), [callback])
     assert weights == [0.0, 0.25, 0.5, 0.75]

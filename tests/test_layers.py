@@ -69,6 +69,18 @@ def test_the_check_sees_an_upward_import(tmp_path):
 
 
 ADAPTERS = ["integrations/hf.py", "callbacks/base.py", "mixin.py"]
+ADAPTER_FILES = [p for entry in ("integrations", "callbacks", "mixin.py") for p in files(entry)]
+
+
+@pytest.mark.parametrize("path", ADAPTER_FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_adapter_imports_pruning(path):
+    """The model's structure reaches checkpoints through the runner's structure event, not through pruning
+    (`from attnreg.methods import pruning` counts too)."""
+    pruning = "attnreg.methods.pruning"
+    found = [name for name in imported_modules(path) if name == pruning or name.startswith(pruning + ".")]
+    assert not found, f"{path.relative_to(PACKAGE)} imports {sorted(found)}"
+
+
 PROTOCOL = {"Method", "Loop", "Runner", "Captured"}
 
 

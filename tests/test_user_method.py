@@ -154,3 +154,48 @@ def test_a_subclass_no_grad_forward_inside_the_step_is_not_captured(tmp_path):
         weights.append(trainer.model.state_dict())
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_the_lightning_path_goes_through_the_runner(monkeypatch):
+    """Lightning's callbacks and mixin translate events only: the capture, the loss and every event come
+    from `Runner`, as in the Trainer's adapter and the plain loop."""
+    calls: list[str] = []
+    for name in ("bind", "capture", "loss", "step_begin", "before_optimizer_step", "step_end", "fit_end", "teardown"):
+        original = getattr(Runner, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Runner, name, spy)
+    method = FirstTokenPenalty(weight=20.0, warmup=0.5)
+    lightning(method)
+    assert method.steps_begun == list(range(STEPS))
+    for name in ("bind", "capture", "loss", "step_begin", "before_optimizer_step", "step_end"):
+        assert calls.count(name) >= STEPS if name != "bind" else name in calls, name
+    assert calls.count("loss") == STEPS and calls[-2:] == ["fit_end", "teardown"]
+
+
+def test_a_no_grad_forward_inside_a_lightning_step_is_not_captured():
+    """The Runner's no-grad rule holds in Lightning too: an extra forward under no_grad inside the step (a
+    metrics pass) leaves the terms and the weights as the step without it."""
+
+    class Metrics(Classifier):
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            with torch.no_grad():
+                self.model(input_ids=batch["input_ids"])
+            return loss
+
+    weights = []
+    for module_class in (Classifier, Metrics):
+        module = module_class(tiny_model("llama", head="causal_lm"))
+        module.configure_optimizers = lambda module=module: torch.optim.SGD(module.parameters(), lr=LR)
+        trainer = L.Trainer(
+            max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[attnreg.EntropyRegularizer(weight=10.0, mode="max")],
+        )  # fmt: skip
+        trainer.fit(module, DataLoader(batches(), batch_size=None))
+        weights.append(module.model.state_dict())
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=0, msg=name)

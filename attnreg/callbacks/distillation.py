@@ -3,17 +3,17 @@
 Example:
     >>> from attnreg.tiny import tiny_model
     >>> callback = Distillation(tiny_model("bert", head="classification"), temperature=2.0)
-    >>> callback.name, callback.temperature
+    >>> callback.method.name, callback.method.temperature
     ('distillation', 2.0)
 """
 
 from __future__ import annotations
 
 from attnreg import methods
-from attnreg.callbacks.base import TermCallback
+from attnreg.callbacks.base import MethodCallback
 
 
-class Distillation(TermCallback):
+class Distillation(MethodCallback):
     """Adds `weight * distillation_loss(model output, teacher output)` to the training loss; takes the arguments
     of `attnreg.methods.Distillation` (the teacher first). The LightningModule needs `attnreg.AttnRegMixin`."""
 

@@ -5,7 +5,7 @@ Example:
     >>> import lightning
     >>> from attnreg.schedules import EarlyDropout
     >>> trainer = lightning.Trainer(callbacks=[AttentionDropoutSchedule(EarlyDropout(0.1, cutoff=0.25))], logger=False)
-    >>> trainer.callbacks[0].schedule
+    >>> trainer.callbacks[0].method.schedule
     EarlyDropout(rate=0.1, cutoff=0.25, shape='constant')
 """
 
@@ -25,8 +25,8 @@ class AttentionDropoutSchedule(MethodCallback):
         >>> from attnreg.tiny import tiny_model
         >>> model = tiny_model("bert", head="classification")
         >>> dropout = AttentionDropoutSchedule(CurriculumDropout(final=0.1, gamma=10.0), layers=[0], hidden=0.1)
-        >>> dropout.bind(None, model); dropout.start(100)     # what fit does (here without a trainer)
-        >>> dropout.before_step(50)                           # before step 50 of 100
+        >>> runner = dropout.bind(None, model); runner.start(100)  # what fit does (here without a trainer)
+        >>> dropout.method.before_step(50)                    # before step 50 of 100
         {'attention_dropout_schedule': 0.0993..., 'hidden_dropout': 0.1}
         >>> model.bert.encoder.layer[0].output.dropout.p, model.bert.encoder.layer[1].output.dropout.p
         (0.1, 0.0)

@@ -19,9 +19,9 @@ Example:
     ...                     collate_fn=SyntaxCollator(tokenizer))
     >>> L.Trainer(max_steps=1, callbacks=[monitor], logger=False, enable_checkpointing=False,
     ...           enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
-    >>> monitor.entropy.shape      # [layers, heads] at the last check
+    >>> monitor.method.entropy.shape      # [layers, heads] at the last check
     torch.Size([2, 4])
-    >>> [name for name in monitor.metrics if "head" not in name]
+    >>> [name for name in monitor.method.metrics if "head" not in name]
     ['attnreg/attention_monitor/entropy/layer0', 'attnreg/attention_monitor/entropy/layer1',
      'attnreg/attention_monitor/first_token/layer0', 'attnreg/attention_monitor/first_token/layer1',
      'attnreg/attention_monitor/parent_accuracy/best', 'attnreg/attention_monitor/parent_accuracy/layer0',
@@ -48,14 +48,12 @@ class AttentionMonitor(MethodCallback):
 
     Example:
         >>> monitor = AttentionMonitor(every_n_steps=50, on_collapse="stop")
-        >>> [step for step in (0, 49, 50, 100) if monitor.due(step)]     # it checks after these steps
+        >>> [step for step in (0, 49, 50, 100) if monitor.method.due(step)]     # it checks after these steps
         [0, 50, 100]
     """
 
     method_class = methods.AttentionMonitor
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.bind(trainer, pl_module)  # in every stage: the hub switches the implementation before it runs
+    all_stages = True  # the hub switches the implementation before it runs
 
     def check(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Mapping[str, Any]) -> dict[str, float]:
         """Measure, log and flag now, on `batch` (a dict with `input_ids` and `attention_mask`)."""

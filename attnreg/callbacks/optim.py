@@ -35,7 +35,7 @@ class LayerwiseLR(MethodCallback):
     Example:
         >>> from attnreg.tiny import tiny_model
         >>> llrd = LayerwiseLR(lr=1e-4, decay=0.8, multipliers={"head": 10.0, "gates": 100.0}, freeze=["embeddings"])
-        >>> optimizer = llrd.build_optimizer(tiny_model("bert", head="classification"))   # what fit trains with
+        >>> optimizer = llrd.method.build_optimizer(tiny_model("bert", head="classification"))   # what fit trains with
         >>> type(optimizer).__name__, [group["name"] for group in optimizer.param_groups]
         ('AdamW', ['layer0', 'layer1', 'head'])
     """
@@ -52,11 +52,11 @@ class FreezeLayers(MethodCallback):
         >>> from attnreg.tiny import tiny_model
         >>> model = tiny_model("bert")
         >>> freeze = FreezeLayers(["embeddings", 0], epochs=1)      # train layer 1 and the head first
-        >>> freeze.bind(None, model); freeze.before_epoch(0)        # what fit does, at epoch 0
+        >>> _ = freeze.bind(None, model); freeze.method.before_epoch(0)   # what fit does, at epoch 0
         >>> embeddings, top = model.embeddings.word_embeddings.weight, model.encoder.layer[1].output.dense.weight
         >>> embeddings.requires_grad, top.requires_grad
         (False, True)
-        >>> freeze.before_epoch(1); embeddings.requires_grad
+        >>> freeze.method.before_epoch(1); embeddings.requires_grad
         True
     """
 

@@ -11,11 +11,11 @@ is done by `attnreg.methods.pruning`.
 Example:
     >>> from attnreg.methods import HardConcreteGates, L1Gates, Removal
     >>> from attnreg.schedules import Constant, Warmup
-    >>> HeadGating(L1Gates(weight=Warmup(0.1, Constant(0.01)))).removal.during_training   # removal at the end of fit
+    >>> HeadGating(L1Gates(weight=Warmup(0.1, Constant(0.01)))).method.removal.during_training  # at the end of fit
     False
-    >>> HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=36)).lagrangian      # CoFi's Lagrangian to 36
+    >>> HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=36)).method.lagrangian  # CoFi Lagrangian
     True
-    >>> HeadGating(removal=Removal(milestones=[(0.3, 60), (0.6, 48), (0.8, 36)])).removal.during_training
+    >>> HeadGating(removal=Removal(milestones=[(0.3, 60), (0.6, 48), (0.8, 36)])).method.removal.during_training
     True
 """
 
@@ -24,15 +24,12 @@ from __future__ import annotations
 import lightning as L
 
 from attnreg import methods
-from attnreg.callbacks.base import MethodCallback, TermCallback
-from attnreg.methods import pruning
-from attnreg.methods.pruning.method import PruningRound
-from attnreg.mixin import require_mixin
+from attnreg.callbacks.base import MethodCallback
 
-__all__ = ["HeadGating", "HeadImportance", "PruningRound"]
+__all__ = ["HeadGating", "HeadImportance"]
 
 
-class HeadGating(TermCallback):
+class HeadGating(MethodCallback):
     """Trainable per-head gates with a sparsity penalty, then physical removal of the closed heads
     (`attnreg.methods.HeadGating(gates, removal, layers, name)`).
 
@@ -40,8 +37,8 @@ class HeadGating(TermCallback):
     folded gates from it; LR schedulers are untouched. The choice is broadcast from rank 0 and the step
     that triggers it is the same on every rank; removal during training under DDP is refused (its
     gradient buckets keep the old shapes), so with several processes prune at the end of fit. Resuming
-    from a checkpoint taken after a removal needs `attnreg.methods.pruning.restore_pruning` in the module's
-    `on_load_checkpoint` (the mixin does it).
+    from a checkpoint taken after a removal rebuilds the removed heads before the weights load (the mixin's
+    structure event).
 
     Example:
         >>> import torch
@@ -54,29 +51,20 @@ class HeadGating(TermCallback):
         >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}
         >>> L.Trainer(max_steps=2, callbacks=[gating], logger=False, enable_checkpointing=False,
         ...           enable_progress_bar=False, enable_model_summary=False).fit(module, DataLoader([batch], None))
-        >>> gating.report.num_removed, gating.report.heads        # gating.removed: original numbers per layer
+        >>> gating.method.report.num_removed, gating.method.report.heads   # .removed: original numbers per layer
         (2, {0: (3, 3), 1: (3, 3)})
     """
 
     method_class = methods.HeadGating
 
-    def prune(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, keep: int | None = None, final: bool = True
-    ) -> pruning.PruneReport:
+    def prune(self, trainer: L.Trainer, pl_module: L.LightningModule, keep: int | None = None, final: bool = True):
         """Remove heads now (all but the `keep` best, default the removal's, else below its threshold).
 
         The method removes heads when `Removal` says; call this yourself (from a hook of yours, with the
         trainer) to prune at another moment. Returns what `attnreg.methods.pruning.prune_heads` did.
         """
         keep = self.method.removal.keep if keep is None else keep
-        report = self.method.remove_if_due(self.loop(trainer, pl_module), (keep, final))
-        self._drop_if_inactive()
-        return report
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        pruning.add_pruning_to_checkpoint(require_mixin(pl_module, self).attnreg_model, checkpoint)
-        if self.method.pruned:
-            checkpoint[pruning.FOLDED_GATES] = list(self.method.gated_layers)
+        return self.method.remove_if_due(self.loop(trainer, pl_module), (keep, final))
 
 
 class HeadImportance(MethodCallback):
@@ -88,9 +76,9 @@ class HeadImportance(MethodCallback):
         >>> from attnreg.tiny import tiny_model
         >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}
         >>> importance = HeadImportance([batch])      # any iterable of batches: a DataLoader, say
-        >>> importance.bind(None, tiny_model("bert", head="classification"))
-        >>> importance.at_end()                       # what the end of fit does
-        >>> {layer: tuple(scores.shape) for layer, scores in importance.scores.items()}   # a score per head
+        >>> _ = importance.bind(None, tiny_model("bert", head="classification"))
+        >>> importance.method.at_end()                # what the end of fit does
+        >>> {layer: tuple(scores.shape) for layer, scores in importance.method.scores.items()}   # a score per head
         {0: (4,), 1: (4,)}
     """
 

@@ -92,15 +92,19 @@ class AttnRegTrainerMixin(KeepColumns):
         super().__init__(*args, **kwargs)
         self._last_inputs: Any = None
         self._attnreg_replaced: list[nn.Module] = []  # DDP wrappers rebuilt since (`Loop.rewrap`)
-        self.attnreg.bind(self._attnreg_model())  # gates must exist before the optimizer is built
-        self.add_callback(_Events(self))
         reentrant = (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
-        if self.args.gradient_checkpointing and reentrant and self.attnreg.terms:
+        terms = [m.name for m in self.attnreg.methods if m.has_term]
+        if self.args.gradient_checkpointing and reentrant and terms:
             raise ValueError(
                 "gradient_checkpointing_kwargs={'use_reentrant': True}: reentrant checkpointing runs the first forward "
-                f"under no_grad, so the terms of {[m.name for m in self.attnreg.terms]} would do nothing; leave "
-                "use_reentrant unset or False (transformers' default), or turn gradient_checkpointing off"
+                f"under no_grad, so the terms of {terms} would do nothing; leave use_reentrant unset or False "
+                "(transformers' default), or turn gradient_checkpointing off"
             )
+        data = self.train_dataset
+        if data is not None and hasattr(data, "__len__") and len(data) == 0:
+            raise ValueError("train_dataset is empty: AttnRegTrainer has nothing to train on")
+        self.attnreg.bind(self._attnreg_model())  # gates before the optimizer; a refusal leaves the model as it was
+        self.add_callback(_Events(self))
 
     @property
     def attnreg_methods(self) -> list[Method]:

@@ -47,13 +47,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from attnreg.hub import AttentionRecord, attach
+from attnreg.hub import AttentionRecord, attach, detach, is_attached
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.pruning.checkpoints import model_structure, restore_structure
 from attnreg.methods.pruning.saving import restore_saved_pruning, write_spec
 
 STRUCTURE_FILE = "attnreg_structure.json"
 """The model's structure in a checkpoint folder (`Runner.save_structure`)."""
+MODEL = "attnreg_model"
+"""Structure entry: what tells the model apart from another (`model_identity`)."""
+_IDENTITY = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "n_embd", "n_layer", "n_head", "dim", "n_layers", "n_heads",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -82,27 +88,71 @@ class Runner:
         ValueError: give at most one method that builds the optimizer; got ['LayerwiseLR', 'LayerwiseLR']
     """
 
-    def __init__(self, methods: Sequence[Method]) -> None:
-        for method in methods:
-            if not isinstance(method, Method):
-                raise TypeError(f"methods must be attnreg.methods.Method objects, got {type(method).__name__}")
-        builders = [type(m).__name__ for m in methods if type(m).configure_optimizer is not Method.configure_optimizer]
-        if len(builders) > 1:
-            raise ValueError(f"give at most one method that builds the optimizer; got {builders}")
-        self.methods = list(methods)
+    def __init__(self, methods: Sequence[Method] = ()) -> None:
+        self.methods: list[Method] = []
         self.model: nn.Module | None = None
         self._figures: dict[str, list[float]] = {}
+        _check(list(methods))
+        for method in methods:
+            self.add(method)
 
     # -- binding, optimizer, length ----------------------------------------------------------------------
+    def add(self, method: Method) -> None:
+        """Run `method` too (bound at once where the runner is bound); a method already here is left as it is.
+
+        Example:
+            >>> from attnreg import methods
+            >>> runner = Runner([methods.LayerwiseLR(lr=1e-3)])
+            >>> runner.add(methods.LayerwiseLR(lr=1e-4))
+            Traceback (most recent call last):
+            ...
+            ValueError: give at most one method that builds the optimizer; got ['LayerwiseLR', 'LayerwiseLR']
+        """
+        if any(method is held for held in self.methods):
+            return
+        _check([*self.methods, method])
+        self.methods.append(method)
+        if self.model is not None:
+            self.bind(self.model)
+
+    def remove(self, method: Method | str) -> None:
+        """Stop running `method` (or the method of that name)."""
+        self.methods = [m for m in self.methods if not (m is method or m.name == method)]
+
     def bind(self, model: nn.Module) -> None:
-        """Bind every method not bound yet to `model`, each under a name no other holds."""
+        """Bind every method not bound yet to `model`, each under a name no other holds. A method that refuses
+        (a bad setting for this model) leaves the model as it was: the methods bound here let go, and a model
+        that was not attached is detached (its attention implementation back).
+
+        Example:
+            >>> from attnreg import methods
+            >>> from attnreg.hub import is_attached
+            >>> from attnreg.tiny import tiny_model
+            >>> model = tiny_model("bert")
+            >>> Runner([methods.SyntaxPriorKL(heads={5: [0]})]).bind(model)
+            Traceback (most recent call last):
+            ...
+            IndexError: SyntaxPriorKL: heads={5: [0]} names layers out of range: BertModel has 2 attention layers ...
+            >>> is_attached(model), model.config._attn_implementation
+            (False, 'sdpa')
+        """
+        attached = is_attached(model)
+        bound: list[Method] = []
+        try:
+            attach(model)
+            taken = {method.name for method in self.methods if method.model is not None}
+            for method in self.methods:
+                if method.model is None:
+                    bound.append(method)
+                    method.bind(model, taken)
+                    taken.add(method.name)
+        except BaseException:
+            for method in bound:
+                method.unbind()
+            if not attached and is_attached(model):
+                detach(model)
+            raise
         self.model = model
-        attach(model)
-        taken = {method.name for method in self.methods if method.model is not None}
-        for method in self.methods:
-            if method.model is None:
-                method.bind(model, taken)
-                taken.add(method.name)
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
@@ -173,7 +223,7 @@ class Runner:
             value, figures = result
             value = full_value(value)
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                raise TypeError(f"the term of {method.name!r} must be a scalar tensor, got {value!r}")
+                raise TypeError(f"the term of {method.name!r} must return a scalar tensor, got {value!r}")
             total = total + value * scale
             self.record({method.name: value.detach(), **{name: full_value(figure) for name, figure in figures.items()}})
         return total
@@ -235,11 +285,23 @@ class Runner:
             >>> runner.structure()["attnreg_gates"]
             {'1': [1.0, 1.0, 1.0, 1.0]}
         """
-        return model_structure(self._transformers_model())
+        model = self._transformers_model()
+        return {**model_structure(model), MODEL: model_identity(model)}
 
     def restore_structure(self, record: Mapping[str, Any]) -> None:
-        """Rebuild the structure a checkpoint recorded (`structure`) on the bound model, before its weights load."""
-        restore_structure(self._transformers_model(), dict(record))
+        """Rebuild the structure a checkpoint recorded (`structure`) on the bound model, before its weights load;
+        a checkpoint of another model is refused, saying so."""
+        model = self._transformers_model()
+        saved, here = record.get(MODEL), model_identity(model)
+        if saved is not None and saved != here:
+            differ = {
+                key: (saved.get(key), here.get(key)) for key in {*saved, *here} if saved.get(key) != here.get(key)
+            }
+            raise ValueError(
+                "this checkpoint belongs to another model: (checkpoint, model here) differ in "
+                + ", ".join(f"{key} {pair[0]!r} vs {pair[1]!r}" for key, pair in sorted(differ.items()))
+            )
+        restore_structure(model, dict(record))
 
     def save_structure(self, folder: str | Path, structure: Mapping[str, Any] | None = None) -> None:
         """Write the structure (`structure()` unless given) into a checkpoint folder: `attnreg_structure.json`,
@@ -272,6 +334,30 @@ class Runner:
             if method.name not in state:
                 raise KeyError(f"{source} has no state for the method {method.name!r} (it has {sorted(state)})")
             method.load_state_dict(state[method.name])
+
+
+def model_identity(model: nn.Module) -> dict[str, Any]:
+    """What tells a transformers model apart from another of a checkpoint: its class and the sizes of its config
+    (as built, whatever heads were removed since).
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> model_identity(tiny_model("gpt2"))
+        {'class': 'GPT2Model', 'hidden_size': 32, 'model_type': 'gpt2', 'n_embd': 32, 'n_head': 4, 'n_layer': 2,
+         'num_attention_heads': 4, 'num_hidden_layers': 2, 'vocab_size': 99}
+    """
+    config = model.config
+    sizes = {key: getattr(config, key) for key in _IDENTITY if isinstance(getattr(config, key, None), int | str)}
+    return {"class": type(model).__name__, **dict(sorted(sizes.items()))}
+
+
+def _check(methods: list[Method]) -> None:
+    for method in methods:
+        if not isinstance(method, Method):
+            raise TypeError(f"methods must be attnreg.methods.Method objects, got {type(method).__name__}")
+    builders = [type(m).__name__ for m in methods if type(m).configure_optimizer is not Method.configure_optimizer]
+    if len(builders) > 1:
+        raise ValueError(f"give at most one method that builds the optimizer; got {builders}")
 
 
 def full_value(value: Any) -> Any:
