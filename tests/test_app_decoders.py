@@ -343,16 +343,18 @@ def test_every_decoder_model_option_builds_a_causal_lm(option, tmp_path):
     assert model(input_ids=torch.tensor([[2, 5, 6]])).logits.shape[:2] == (1, 3)
 
 
-@pytest.mark.parametrize("option", ["agreement_lm", "ewt_lm", "text_lm", "hf_lm", "chat"])
+@pytest.mark.parametrize("option", ["agreement_lm", "ewt_lm", "text_lm", "hf_lm", "chat", "hf_chat"])
 def test_every_decoder_data_option_gives_lm_batches(option, tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("the dog sees a cat\nthe cats run home\n")
+    chat = write_chat(tmp_path, [{"messages": row["messages"]} for row in CHAT_ROWS], "rows.jsonl")
     files = {
         "text_lm": [f"data.train={text}", f"data.val={text}"],
         "hf_lm": ["data.path=text", f"data.data_files={{train: '{text}', validation: '{text}'}}"],
         "chat": [f"data.train={write_chat(tmp_path, CHAT_ROWS)}", f"data.val={write_chat(tmp_path, CHAT_ROWS)}"],
+        "hf_chat": ["data.path=json", f"data.data_files={{train: '{chat}', validation: '{chat}'}}"],
     }
-    template = ["data.chat_template=" + json.dumps(TINY_CHAT_TEMPLATE)] if option == "chat" else []
+    template = ["data.chat_template=" + json.dumps(TINY_CHAT_TEMPLATE)] if "chat" in option else []
     limit = ["data.limit_train=64"] if option == "ewt_lm" else []
     cfg = compose(f"data={option}", *files.get(option, []), *template, *limit, small=False)
     if option == "ewt_lm" and not Path(cfg.data.train).is_file():

@@ -262,7 +262,17 @@ def test_optuna_sweep_of_two_trials(tmp_path):
 
 
 # -- every option of every config group ----------------------------------------------------------------
-DECODER_OPTIONS = {"tiny_llama_lm", "decoder", "smollm2", "agreement_lm", "ewt_lm", "text_lm", "hf_lm", "chat"}
+DECODER_OPTIONS = {
+    "tiny_llama_lm",
+    "decoder",
+    "smollm2",
+    "agreement_lm",
+    "ewt_lm",
+    "text_lm",
+    "hf_lm",
+    "chat",
+    "hf_chat",
+}
 """Model and data options of the decoder tasks: tests/test_app_decoders.py instantiates them."""
 
 
@@ -390,7 +400,7 @@ PRESET_REGULARIZERS = {
                 "_target_": "attnreg.methods.Removal",
                 "threshold": 0.1,
                 "keep": 180,
-                "after_steps": 20,
+                "after_steps": 10,
                 "after_epochs": None,
                 "milestones": None,
                 "protect": None,

@@ -491,6 +491,7 @@ class ChatDataModule(DecoderDataModule):
         super().__init__(**options)
         self.files = {"train": train, "val": val}
         self.limit_train = limit_train
+        self.messages_field = "messages"
 
     def read_rows(self, split: str) -> list[tuple[str, Any]]:
         """(where, row) of `split`'s JSON lines."""
@@ -520,6 +521,8 @@ class ChatDataModule(DecoderDataModule):
             rows = self.read_rows(split)[: self.limit_train if split == "train" else None]
             items = []
             for where, row in rows:
+                if self.messages_field != "messages" and isinstance(row, Mapping):
+                    row = {**row, "messages": row.get(self.messages_field)}
                 messages = check_messages(row, where)
                 render_chat(self.tokenizer, messages, where)
                 items.append({"messages": messages, "where": where, "sentence": self.reply(row, messages, where)})
@@ -552,6 +555,46 @@ class ChatDataModule(DecoderDataModule):
     def tree_sentences(self) -> list[Sentence] | None:
         sentences = [item["sentence"] for item in self.datasets.get("val", []) if item["sentence"] is not None]
         return sentences or None
+
+
+class HubChatDataModule(ChatDataModule):
+    """Chat SFT on a `datasets` dataset whose `messages_field` holds each row's messages (a hub name, or the "json"
+    builder with `data_files`); rows are checked as `ChatDataModule`'s, named by split and row number.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp(), "chat.jsonl")
+        >>> row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+        >>> _ = path.write_text(json.dumps(row) + "\\n")
+        >>> data = HubChatDataModule("json", data_files={"train": str(path), "validation": str(path)},
+        ...                          chat_template=TINY_CHAT_TEMPLATE)
+        >>> data.setup(); data.datasets["val"][0]["where"], len(data.datasets["train"])
+        ('dataset json split validation row 1', 1)
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        data_files: Any = None,
+        messages_field: str = "messages",
+        train_split: str = "train",
+        val_split: str = "validation",
+        **options: Any,
+    ) -> None:
+        super().__init__(train="", val="", **options)
+        self.path, self.name, self.data_files, self.messages_field = path, name, data_files, messages_field
+        self.splits = {"train": train_split, "val": val_split}
+
+    def read_rows(self, split: str) -> list[tuple[str, Any]]:
+        dataset = _load_hub_dataset(self.path, self.name, self.data_files, self.splits[split])
+        if self.messages_field not in dataset.column_names:
+            raise KeyError(
+                f"dataset {self.path!r} split {self.splits[split]!r} has no column {self.messages_field!r}; its "
+                f"columns are {dataset.column_names} (set data.messages_field)"
+            )
+        where = f"dataset {self.path} split {self.splits[split]} row"
+        return [(f"{where} {number}", row) for number, row in enumerate(dataset, start=1)]
 
 
 def _text(example: Any) -> str:
