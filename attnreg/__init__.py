@@ -22,23 +22,37 @@ import sys
 import warnings
 
 from attnreg import analysis, methods, schedules, syntax
-from attnreg.callbacks import (
-    AttentionDropoutSchedule,
-    AttentionLoss,
-    AttentionMonitor,
-    Distillation,
-    EntropyRegularizer,
-    FreezeLayers,
-    HeadGating,
-    HeadImportance,
-    LayerwiseLR,
-    MethodCallback,
-    SyntaxPriorKL,
-)
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
 from attnreg.hub import AttentionHub, AttentionRecord, LayerInfo, attach, detach, hub_of
 from attnreg.methods.layerwise_lr import layerwise_param_groups
-from attnreg.mixin import AttentionTerm, AttnRegMixin
+
+_CALLBACKS = """AttentionDropoutSchedule AttentionLoss AttentionMonitor Distillation EntropyRegularizer FreezeLayers
+HeadGating HeadImportance LayerwiseLR MethodCallback SyntaxPriorKL"""
+LIGHTNING = dict.fromkeys(_CALLBACKS.split(), "attnreg.callbacks") | dict.fromkeys(
+    ["AttentionTerm", "AttnRegMixin"], "attnreg.mixin"
+)
+"""The Lightning adapter's names, loaded on first use: Lightning is an extra (`pip install 'attnreg[lightning]'`),
+and `import attnreg`, the Hugging Face `Trainer` and TRL need none."""
+
+
+def lightning_name(name: str):
+    """`attnreg.<name>` of the Lightning adapter (`LIGHTNING`), imported now; without Lightning, an error saying so.
+
+    Example:
+        >>> import attnreg
+        >>> lightning_name("MethodCallback") is attnreg.callbacks.MethodCallback
+        True
+    """
+    try:
+        module = importlib.import_module(LIGHTNING[name])
+    except ImportError as error:
+        raise ImportError(
+            f"attnreg.{name} belongs to the Lightning adapter, which needs Lightning: pip install 'attnreg[lightning]' "
+            f"({error}); the Hugging Face Trainer's adapter (attnreg.integrations.hf) needs none"
+        ) from error
+    globals()[name] = value = getattr(module, name)
+    return value
+
 
 __all__ = [
     "AttentionDropoutSchedule",
@@ -113,6 +127,8 @@ def __getattr__(name: str):
         >>> pruning is attnreg.methods.pruning, str(caught[0].message)
         (True, 'attnreg.pruning is deprecated: use attnreg.methods.pruning (the same module)')
     """
+    if name in LIGHTNING:
+        return lightning_name(name)
     if name in MOVED:
         return importlib.import_module(f"attnreg.{name}")  # the module `attnreg/<name>.py` warns and redirects
     raise AttributeError(f"module 'attnreg' has no attribute {name!r}")
