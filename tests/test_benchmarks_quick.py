@@ -31,6 +31,7 @@ SCRIPTS = {
     "decoder_agreement": (("ud_english_ewt",), "results.json"),
     "decoder_analysis": ((), "results.json"),
     "decoder_pruning": ((), "results.json"),
+    "decoder_pruning_lora": ((), "results.json"),
     "decoder_syntax_prior": ((), "results.json"),
     "minilm_ewt_analysis": (("ud_english_ewt", "minilm"), "results.json"),
     "overhead": ((), "results.json"),

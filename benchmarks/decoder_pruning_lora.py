@@ -1,0 +1,237 @@
+"""Pruning a decoder the way people do it (issue 36): key/value groups chosen by importance, by hard-concrete gates
+trained beside LoRA, or at random; then recovery by LoRA or full fine-tuning, each with or without distillation
+from the unpruned model; held-out perplexity against the unpruned model given the same recovery, and tokens/s.
+
+For each seed (paired: every arm of a seed sees the same batches) and each sparsity (a quarter and a third of the
+key/value groups, chosen globally, at least one group left per layer for importance and random):
+- `importance`: head importance (Michel et al. 2019) on the LM loss, a group's score the sum of its query heads';
+- `hard_concrete_lora`: `HeadGating(HardConcreteGates, Removal(keep=..., groups=True))` trained beside a LoRA
+  adapter on q/k/v/o for `--gate-steps`, the groups removed with the adapter at the end;
+- `random`: groups drawn with the seed.
+Every pruned model and the unpruned control then recover for `--recovery` steps in each way: `lora` (a LoRA
+adapter on q/k/v/o and the MLP; the gated run's adapter goes on), `full` (all weights), each plain and `+kd`
+(`attnreg.Distillation` from the unpruned model). Perplexity of EWT test sentences; generation speed with the KV
+cache at batch 1 and 8 (`decoder_pruning.generation_speed`).
+
+    python benchmarks/decoder_pruning_lora.py --seeds 0 1 2   # SmolLM2-135M; hours on 2 cores
+    python benchmarks/decoder_pruning_lora.py --quick         # tiny random Llama, 2 steps, to a temp folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import time
+import warnings
+
+import lightning as L
+import torch
+from common import add_output_arguments, output_dir, quick_banner, table, write_results
+from decoder_common import (
+    builtin_sentences,
+    has_ewt,
+    lm_batches,
+    load_smollm2,
+    perplexity,
+    quick_model,
+    quick_tokenizer,
+    read_ewt,
+)
+from decoder_pruning import PROMPTS, choose_groups, generation_speed, group_scores, speed_prompts
+from torch.utils.data import DataLoader
+
+import attnreg
+from attnreg.app.modules import CausalLM
+from attnreg.hub import is_attached
+from attnreg.methods import HardConcreteGates, Removal
+from attnreg.methods.pruning import count_parameters, head_importance, prune_heads
+
+SPARSITIES = {"quarter": 1 / 4, "third": 1 / 3}
+RECOVERIES = ["lora", "lora+kd", "full", "full+kd"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def fit(model, batches, steps, lr, seed, callbacks=(), gate_lr=None) -> float:
+    """Train `model` in place as a causal LM on `batches` (AdamW, constant rate, clip 1) under Lightning with the
+    attnreg `callbacks`; returns the seconds it took."""
+    L.seed_everything(seed, workers=True, verbose=False)
+    module = CausalLM(model, lr=lr, weight_decay=0.0, warmup=0.0, schedule="constant", gate_lr=gate_lr)
+    trainer = L.Trainer(
+        max_steps=steps, gradient_clip_val=1.0, callbacks=list(callbacks), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, devices=1,
+    )  # fmt: skip
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    model.eval()
+    return time.perf_counter() - started
+
+
+def with_lora(model, rank: int, seed: int, mlp: bool = True):
+    import peft
+
+    torch.manual_seed(seed)
+    targets = ATTENTION + (["gate_proj", "up_proj", "down_proj"] if mlp else [])
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+
+
+def random_groups(layers: int, groups: int, fraction: float, seed: int) -> dict[int, list[int]]:
+    """`fraction` of all key/value groups at random, at least one left in every layer."""
+    scores = {
+        layer: [random.Random(seed * 1000 + layer * 10 + g).random() for g in range(groups)] for layer in range(layers)
+    }
+    return choose_groups(scores, "global", fraction)
+
+
+def gated_choice(base, batches, args, seed: int, keep: int):
+    """Hard-concrete gates on whole key/value groups trained beside LoRA; the groups go with the adapter at the end.
+    Returns the pruned PEFT model (its adapter goes on in LoRA recovery)."""
+    model = with_lora(copy.deepcopy(base), args.rank, seed, mlp=False)
+    gating = attnreg.HeadGating(HardConcreteGates(target_warmup=0.5), Removal(keep=keep, groups=True))
+    fit(model, batches[: args.gate_steps], args.gate_steps, args.lora_lr, seed, [gating], gate_lr=args.gate_lr)
+    return model
+
+
+def recover(pruned, base, kind: str, batches, args, seed: int):
+    """A recovered copy of `pruned` (a plain model, or a PEFT model from the gated run), merged for evaluation."""
+    model = copy.deepcopy(pruned)
+    callbacks = [attnreg.Distillation(teacher=copy.deepcopy(base))] if kind.endswith("+kd") else []
+    if kind.startswith("full"):
+        model = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+        model.requires_grad_(True)
+        seconds = fit(model, batches, args.recovery, args.lr, seed, callbacks)
+    else:
+        model = model if hasattr(model, "merge_and_unload") else with_lora(model, args.rank, seed)
+        seconds = fit(model, batches, args.recovery, args.lora_lr, seed, callbacks)
+        model = model.merge_and_unload()
+    if is_attached(model):
+        attnreg.detach(model)
+    return model.eval(), seconds
+
+
+def markdown(report: dict, args) -> str:
+    lines = [f"# Pruning a decoder with LoRA ({report['setup']['model']})", "", *quick_banner(args.quick)]
+    lines += [
+        f"Seeds {args.seeds}; gates trained {args.gate_steps} steps beside LoRA r={args.rank}; recovery {args.recovery}"
+        f" steps of {args.batch}; perplexity on {report['setup']['eval_sentences']} EWT test sentences. Ratio: pruned"
+        " perplexity over the unpruned model's after the same recovery, mean (min-max) over seeds.",
+        "",
+    ]
+    rows = []
+    for sparsity in args.sparsities:
+        for choice in ["importance", "hard_concrete_lora", "random"]:
+            row = [sparsity, choice]
+            for kind in args.recoveries:
+                ratios = [
+                    seed[sparsity][choice][kind] / seed["unpruned"][kind] for seed in report["perplexity"].values()
+                ]
+                row.append(f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+            rows.append(row)
+    lines += table(["groups removed", "choice", *args.recoveries], rows)
+    speed = report["speed"]
+    lines += ["", "Tokens/s (greedy, KV cache), ratio to unpruned:", ""]
+    lines += table(
+        ["model", "parameters", "batch 1", "batch 8"],
+        [
+            [name, f"{report['parameters'][name] / 1e6:.2f}M"]
+            + [f"{speed[name][b]['tokens_per_s']:.1f} ({speed[name][b]['ratio']:.2f}x)" for b in ("1", "8")]
+            for name in speed
+        ],
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--importance", type=int, default=64, help="training sentences for head importance")
+    parser.add_argument("--gate-steps", type=int, default=100)
+    parser.add_argument("--recovery", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4, help="full fine-tuning")
+    parser.add_argument("--lora-lr", type=float, default=1e-3)
+    parser.add_argument("--gate-lr", type=float, default=0.5)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--eval", type=int, default=500)
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--sparsities", nargs="+", choices=list(SPARSITIES), default=list(SPARSITIES))
+    parser.add_argument("--recoveries", nargs="+", choices=RECOVERIES, default=RECOVERIES)
+    add_output_arguments(parser, "tiny random Llama, 2 steps each, one seed")
+    args = parser.parse_args()
+    args.out = output_dir(args, "decoder_pruning_lora")
+    if args.quick:
+        args.seeds, args.importance, args.gate_steps, args.recovery, args.repetitions = [0], 8, 2, 2, 1
+        args.sparsities, args.recoveries = ["quarter"], ["lora", "full+kd"]
+    started = time.perf_counter()
+    if args.quick:
+        pool = read_ewt("train", 64, min_words=5) if has_ewt() else builtin_sentences(64, seed=10)
+        test = read_ewt("test", 16, min_words=3) if has_ewt() else builtin_sentences(16, seed=12)
+        tokenizer = quick_tokenizer([s.text for s in pool + test] + PROMPTS)
+        base, description = quick_model(tokenizer, layers=2, heads=6, hidden=48), "tiny random Llama"
+    else:
+        base, tokenizer = load_smollm2()
+        pool, test = read_ewt("train", min_words=5), read_ewt("test", args.eval, min_words=2)
+        description = "SmolLM2-135M-Instruct, float32"
+    config = base.config
+    layers, groups = config.num_hidden_layers, config.num_key_value_heads
+    per_group = config.num_attention_heads // groups
+    test_texts = [s.text for s in test]
+    results, kept_models = {}, {}
+    for seed in args.seeds:
+        order = random.Random(seed).sample(range(len(pool)), len(pool))
+        texts = [pool[i].text for i in order]
+        needed = args.importance + (args.gate_steps + args.recovery) * args.batch
+        texts = [texts[i % len(texts)] for i in range(needed)]
+        importance = lm_batches(tokenizer, texts[: args.importance], args.batch, args.max_length)
+        gate_texts = texts[args.importance :][: args.gate_steps * args.batch]
+        gate_batches = lm_batches(tokenizer, gate_texts, args.batch, args.max_length)
+        recovery_batches = lm_batches(tokenizer, texts[-args.recovery * args.batch :], args.batch, args.max_length)
+        by_group = group_scores(head_importance(copy.deepcopy(base), importance), groups)
+        arms = {"unpruned": {"": base}}
+        for sparsity in args.sparsities:
+            fraction = SPARSITIES[sparsity]
+            keep = layers * groups - round(fraction * layers * groups)
+            chosen = {"importance": choose_groups(by_group, "global", fraction),
+                      "random": random_groups(layers, groups, fraction, seed)}  # fmt: skip
+            arms[sparsity] = {}
+            for choice, removed in chosen.items():
+                model = copy.deepcopy(base)
+                prune_heads(model, {layer: [g * per_group + i for g in gs for i in range(per_group)]
+                                    for layer, gs in removed.items()})  # fmt: skip
+                arms[sparsity][choice] = model
+            arms[sparsity]["hard_concrete_lora"] = gated_choice(base, gate_batches, args, seed, keep)
+        results[str(seed)] = {}
+        for sparsity, choices in arms.items():
+            for choice, pruned in choices.items():
+                for kind in args.recoveries:
+                    model, seconds = recover(pruned, base, kind, recovery_batches, args, seed)
+                    value = perplexity(model, tokenizer, test_texts, 32, args.max_length)["perplexity"]
+                    entry = results[str(seed)].setdefault(sparsity, {})
+                    if sparsity == "unpruned":
+                        entry[kind] = value
+                    else:
+                        entry.setdefault(choice, {})[kind] = value
+                    print(f"seed {seed} {sparsity} {choice or ''} {kind}: {value:.2f} ({seconds:.0f} s)", flush=True)
+                    if seed == args.seeds[0] and kind == "lora" and choice in ("", "importance"):
+                        kept_models[sparsity] = model
+    prompts = speed_prompts(tokenizer, test_texts, 16)
+    speed = generation_speed(kept_models, prompts, 32 if not args.quick else 4, args.repetitions)
+    report = {
+        "setup": {"model": description, "layers": layers, "kv_groups": groups, "eval_sentences": len(test_texts),
+                  "threads": torch.get_num_threads(), "quick": args.quick},
+        "perplexity": results,
+        "parameters": {name: count_parameters(model) for name, model in kept_models.items()},
+        "speed": speed,
+        "seconds": round(time.perf_counter() - started, 1),
+    }  # fmt: skip
+    text = markdown(report, args)
+    write_results(args.out, report, text, args)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
