@@ -448,3 +448,8 @@ def test_the_refusal_of_an_unsafe_checkpoint_names_what_it_holds_and_the_opt_in(
         InputError, match=r"a.ckpt holds more than weights and plain data \(datetime.date\).*--trust-checkpoint"
     ):
         _from_checkpoint(Path(tmp_path / "a.ckpt"), "unused")
+
+    for content in (b"", b"not a torch.save file"):  # empty or foreign: a clear refusal, not a traceback
+        (tmp_path / "b.ckpt").write_bytes(content)
+        with pytest.raises(InputError, match="b.ckpt is not a readable PyTorch checkpoint"):
+            _from_checkpoint(Path(tmp_path / "b.ckpt"), "unused")

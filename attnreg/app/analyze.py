@@ -255,8 +255,13 @@ def _load_checkpoint(path: Path, trust: bool) -> dict[str, Any]:
     try:
         with torch.serialization.safe_globals(list(SAFE_CHECKPOINT_TYPES)):
             return torch.load(path, map_location="cpu", weights_only=True)
+    except (EOFError, RuntimeError) as error:  # empty, truncated, or not written by torch.save
+        raise InputError(f"{path} is not a readable PyTorch checkpoint ({type(error).__name__}: {error})") from error
     except pickle.UnpicklingError as error:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except ValueError:  # not a torch.save zip file at all
+            raise InputError(f"{path} is not a readable PyTorch checkpoint (not written by torch.save)") from error
         raise InputError(
             f"{path} holds more than weights and plain data ({', '.join(unsafe[:5]) or str(error).splitlines()[0]}); "
             "loading it would run code from the file, so it is refused. If you trust who made it, pass "
