@@ -242,7 +242,8 @@ def test_lightning_gates_beside_lora_keep_the_adapters_adam_moments_across_a_rem
     import lightning as L
     from conftest import Classifier, fit
 
-    gating = attnreg.HeadGating(attnreg.methods.L1Gates(weight=0.5), attnreg.methods.Removal(keep=4, after_steps=2))
+    removal = attnreg.methods.Removal(keep=2, groups=True, after_steps=2)  # whole groups: something is removed
+    gating = attnreg.HeadGating(attnreg.methods.L1Gates(weight=0.5), removal)
     module = Classifier(lora_model("llama").train(), lr=0.05)
     lora = {}  # optimizer state of every LoRA factor: just before the removal, and at the first step after
 
@@ -264,9 +265,9 @@ def test_lightning_gates_beside_lora_keep_the_adapters_adam_moments_across_a_rem
     silenced = pruning.silenced_heads(module.model.get_base_model())  # heads the grouped-query rule kept
     for layer, heads in gating.report.removed.items():
         kept = [head for head in range(4) if head not in heads]
-        rows = (torch.tensor(kept)[:, None] * 8 + torch.arange(8)).reshape(-1)
+        rows = (torch.tensor(kept, dtype=torch.long)[:, None] * 8 + torch.arange(8)).reshape(-1)
         groups = sorted({head // 2 for head in kept})
-        kv_rows = (torch.tensor(groups)[:, None] * 8 + torch.arange(8)).reshape(-1)
+        kv_rows = (torch.tensor(groups, dtype=torch.long)[:, None] * 8 + torch.arange(8)).reshape(-1)
         prefix = f"base_model.model.model.layers.{layer}.self_attn"
         for name, index, dim in [
             (f"{prefix}.q_proj.lora_B.default.weight", rows, 0),
