@@ -446,13 +446,21 @@ def tree_file(path, sentences=1):
     return path
 
 
-def test_an_empty_conllu_file_is_refused_naming_the_file(tmp_path):
+def test_an_empty_conllu_file_is_refused_naming_the_file(tmp_path, capsys):
     from attnreg.syntax import SyntaxDataset
 
     (tmp_path / "train.conllu").write_text("\n")
     with pytest.raises(ValueError, match=r"train.conllu holds no sentence: an empty CoNLL-U file"):
         SyntaxDataset.from_conllu(tmp_path / "train.conllu")
     assert len(SyntaxDataset.from_conllu(tree_file(tmp_path / "dev.conllu", 2))) == 2
+    from attnreg.app.analyze import main
+
+    tokenizer = build_tokenizer(vocabulary())
+    tiny_model("bert", vocab=len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit) as stop:  # attnreg-analyze says it too, without a traceback
+        main([str(tmp_path / "model"), str(tmp_path / "train.conllu"), "--out", str(tmp_path / "report")])
+    assert stop.value.code == 2 and "train.conllu holds no sentence" in capsys.readouterr().err
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both_sizes(tmp_path, capsys):

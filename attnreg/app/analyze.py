@@ -91,7 +91,7 @@ from attnreg.analysis.blocks import BLOCK_SIZE
 from attnreg.app.inputs import check_model_folder, check_vocabulary
 from attnreg.hub import attach
 from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
-from attnreg.syntax.trees import Sentence, read_conllu
+from attnreg.syntax.trees import ConlluError, Sentence, read_conllu
 
 SUMMARY_STATISTICS = tuple(name for name in ATTENTION_STATISTICS if not name.startswith("argmax"))  # the report table
 
@@ -292,7 +292,10 @@ def load_sentences(path: str | Path, data_format: str = "auto", limit: int | Non
     if data_format == "auto":
         data_format = "conllu" if path.name.endswith((".conllu", ".conllu.gz")) else "text"
     if data_format == "conllu":
-        sentences = read_conllu(path)
+        try:
+            sentences = read_conllu(path)
+        except ConlluError as error:  # malformed or empty: named by file and line
+            raise InputError(str(error)) from error
     elif data_format == "text":
         lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         lines = lines[:limit] if limit is not None else lines
