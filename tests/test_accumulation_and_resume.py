@@ -3,6 +3,7 @@ checkpoints around a head removal: each against an independent reference (the sa
 the materialized path, the uninterrupted run)."""
 
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -15,6 +16,7 @@ import attnreg
 from attnreg import blockwise, losses, methods
 from attnreg.integrations.hf import AttnRegTrainer
 from attnreg.methods.pruning import load_pruned, pruned_heads, silenced_heads
+from attnreg.methods.runner import UnevenMicroBatchesWarning
 from attnreg.tiny import tiny_model
 
 
@@ -234,3 +236,52 @@ def test_a_removal_failing_at_the_end_leaves_the_trained_model_gated_and_saved(t
     ids = torch.stack([example["input_ids"] for example in examples(3)])
     with torch.no_grad():
         torch.testing.assert_close(load_pruned(rescue)(ids).logits, trainer.model.eval()(ids).logits, rtol=0, atol=0)
+
+
+# -- rows of different lengths: a term's weight would depend on the split, which is said -------------------------
+def uneven(count: int = 8) -> list[dict[str, torch.Tensor]]:
+    """Short rows first, long rows last: under 2 x 4 the two micro-batches hold different numbers of tokens."""
+    rows = examples(count)
+    for index, row in enumerate(rows[: count // 2]):
+        row["attention_mask"] = row["attention_mask"].clone()
+        row["attention_mask"][2 + index % 2 :] = 0
+        row["labels"] = row["labels"].masked_fill(row["attention_mask"] == 0, -100)
+    return rows
+
+
+class Fixed(torch.utils.data.IterableDataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+@pytest.mark.parametrize("rows, warned", [(uneven, True), (examples, False)], ids=["uneven", "even"])
+def test_hf_says_when_micro_batches_differ_in_tokens(tmp_path, rows, warned):
+    trainer = AttnRegTrainer(
+        model=tiny_model("llama", head="causal_lm").train(),
+        args=hf_arguments(tmp_path, max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+        train_dataset=Fixed(rows(8)),
+        methods=term_methods(),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    said = [w for w in caught if issubclass(w.category, UnevenMicroBatchesWarning)]
+    assert bool(said) == warned
+    if warned:
+        assert "different numbers of real tokens [10, 32]" in str(said[0].message)
+
+
+@pytest.mark.parametrize("rows, warned", [(uneven, True), (examples, False)], ids=["uneven", "even"])
+def test_lightning_says_when_micro_batches_differ_in_tokens(rows, warned):
+    module = Classifier(tiny_model("llama", head="causal_lm"), lr=0.5)
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accumulate_grad_batches=2, callbacks=[attnreg.EntropyRegularizer(weight=1.0)],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(rows(8), batch_size=4))
+    assert any(issubclass(w.category, UnevenMicroBatchesWarning) for w in caught) == warned

@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,6 +93,8 @@ class Runner:
         self.methods: list[Method] = []
         self.model: nn.Module | None = None
         self._figures: dict[str, list[float]] = {}
+        self._tokens: list[int] = []  # real tokens of each micro-batch with terms since the last optimizer step
+        self._warned_uneven = False
         _check(list(methods))
         for method in methods:
             self.add(method)
@@ -215,6 +218,9 @@ class Runner:
         figures (unscaled) are kept for `figures()`. 0 when nothing was captured."""
         if captured.probs is None:
             return 0.0
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if isinstance(mask, torch.Tensor):
+            self._tokens.append(int(mask.sum()))
         total: torch.Tensor | float = 0.0
         for method in self.terms:
             result = method.term(captured.inputs if method.inputs else captured.probs, batch, step)
@@ -249,8 +255,31 @@ class Runner:
             method.on_step_begin(loop)
 
     def before_optimizer_step(self, loop: Loop) -> None:
+        self._check_even(loop)
         for method in self.methods:
             method.on_before_optimizer_step(loop)
+
+    def _check_even(self, loop: Loop) -> None:
+        """Warn once where the micro-batches of one optimizer step (over accumulation, and against rank 0's)
+        hold different numbers of real tokens: each term is a mean over its micro-batch, so its weight then
+        depends on how the global batch was split (docs/guarantees.md)."""
+        tokens, self._tokens = self._tokens, []
+        if not self.terms:
+            return
+        uneven = len(set(tokens)) > 1
+        if loop.world_size > 1:
+            uneven = uneven or loop.broadcast(tokens[:1]) != tokens[:1]
+        if uneven and not self._warned_uneven:
+            self._warned_uneven = True
+            warnings.warn(
+                f"the micro-batches of optimizer step {loop.step} hold different numbers of real tokens {tokens}: "
+                f"the terms of {[m.name for m in self.terms]} are each a mean over one micro-batch (then averaged "
+                "over the accumulation steps and processes), so their weight depends on how the global batch is "
+                "split; for weights that do not, give the micro-batches equal lengths (pack or pad to a fixed "
+                "length) or use one micro-batch per step on one process (docs/guarantees.md)",
+                UnevenMicroBatchesWarning,
+                stacklevel=2,
+            )
 
     def step_end(self, loop: Loop) -> None:
         for method in self.methods:
@@ -334,6 +363,15 @@ class Runner:
             if method.name not in state:
                 raise KeyError(f"{source} has no state for the method {method.name!r} (it has {sorted(state)})")
             method.load_state_dict(state[method.name])
+
+
+class UnevenMicroBatchesWarning(UserWarning):
+    """The micro-batches of one optimizer step differ in real tokens, so a term's weight depends on the split.
+
+    Example:
+        >>> issubclass(UnevenMicroBatchesWarning, UserWarning)
+        True
+    """
 
 
 def model_identity(model: nn.Module) -> dict[str, Any]:
