@@ -296,12 +296,18 @@ def assert_same(resumed: dict, whole: dict) -> None:
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6, msg=name)
 
 
-def test_trainer_resumes_after_a_mid_run_removal_with_lora_to_the_uninterrupted_weights(tmp_path):
-    removal = attnreg.methods.Removal(keep=4, after_steps=3)
-    whole, _ = lora_trainer(tmp_path / "whole", "l1", removal, save_strategy="steps", save_steps=2)
+@pytest.mark.parametrize(
+    "gates, removal",
+    [
+        ("l1", attnreg.methods.Removal(keep=4, after_steps=3)),
+        ("hard_concrete", attnreg.methods.Removal(keep=3, groups=True, after_steps=3)),
+    ],
+)
+def test_trainer_resumes_after_a_mid_run_removal_with_lora_to_the_uninterrupted_weights(tmp_path, gates, removal):
+    whole, _ = lora_trainer(tmp_path / "whole", gates, removal, save_strategy="steps", save_steps=2)
     whole.train()
     checkpoint = tmp_path / "whole" / "checkpoint-4"  # after the removal at step 3
-    resumed, gating = lora_trainer(tmp_path / "resumed", "l1", removal, save_strategy="no")
+    resumed, gating = lora_trainer(tmp_path / "resumed", gates, removal, save_strategy="no")
     resumed.train(resume_from_checkpoint=str(checkpoint))
     base = resumed.model.get_base_model()
     assert gating.pruned and {**pruning.pruned_heads(base), **pruning.silenced_heads(base)}
