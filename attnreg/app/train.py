@@ -231,6 +231,7 @@ def fit_causal_lm(
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
+        accelerator="gpu" if next(model.parameters()).is_cuda else "cpu",  # where the model is: it stays there
         devices=1,
     )
     started = time.perf_counter()
