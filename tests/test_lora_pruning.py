@@ -190,7 +190,7 @@ def adapters_fit_their_base(model):
             assert a.shape[1] == layer.in_features and b.shape[0] == layer.out_features == out_features(layer), name
 
 
-@pytest.mark.parametrize("gates", ["l1", "hard_concrete"])
+@pytest.mark.parametrize("gates", ["l1", pytest.param("hard_concrete", marks=pytest.mark.slow)])  # HC: next test
 def test_gates_train_beside_lora_in_the_trainer_and_heads_go_mid_run_with_the_adapter(tmp_path, gates):
     trainer, gating = lora_trainer(tmp_path, gates, attnreg.methods.Removal(keep=4, after_steps=3))
     trainer.train()
