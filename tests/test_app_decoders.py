@@ -364,3 +364,17 @@ def test_every_decoder_data_option_gives_lm_batches(option, tmp_path):
     batch = next(iter(data.train_dataloader()))
     assert data.task in ("causal_lm", "chat") and set(batch) == {"input_ids", "attention_mask", "labels"}
     assert ((batch["labels"] == -100) | (batch["labels"] == batch["input_ids"])).all()
+
+
+def test_lora_on_a_classification_task_trains_the_new_head_too(tmp_path):
+    """PEFT leaves a new classification head frozen at its random initialisation unless told the task: the app's
+    adapter for a classifier holds the trained head."""
+    from safetensors.torch import load_file
+
+    cfg = compose("model=tiny_llama", "peft=lora", "attnreg=none", "data.test=8", "data.hard=8")
+    summary = train(cfg, tmp_path)
+    saved = load_file(f"{summary['adapter']}/adapter_model.safetensors")
+    head = [name for name in saved if "score" in name]
+    assert head, sorted(saved)
+    initial = tiny_model("llama", head="classification", vocab=58, hidden=64, heads=4, pad_token_id=0).score.weight
+    assert not torch.allclose(saved[head[0]], initial)

@@ -299,10 +299,13 @@ def add_lora(
     target_modules: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
     merge: bool = False,
     seed: int = 0,
+    task_type: str | None = None,
 ) -> Any:
     """`model` wrapped in a PEFT LoRA adapter on `target_modules` (module names, or "all-linear"); `merge` is read
     by the app (save a merged model too). A target that no module of the model has is refused, naming it and the
     linear modules there are. attnreg's methods attach to the wrapped model as to any (see `tests/test_peft.py`).
+    `task_type="SEQ_CLS"` (the app's classification tasks) also trains the new classification head, which PEFT
+    would otherwise leave frozen at its random initialisation.
 
     Example:
         >>> model = add_lora(tiny_model("llama", head="causal_lm"), r=4, target_modules=["q_proj", "v_proj"])
@@ -332,6 +335,10 @@ def add_lora(
                 )
     torch.manual_seed(seed)
     config = peft.LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets[0] if targets == ["all-linear"] else targets
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        task_type=task_type,
     )
     return peft.get_peft_model(model, config)

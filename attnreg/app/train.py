@@ -80,7 +80,7 @@ from attnreg.app.settings import attnreg_settings, needs_of, provide, warn_renam
 from attnreg.app.summary import describe_run, format_summary, metric, summarize, summarize_decoder
 from attnreg.callbacks import HeadGating
 from attnreg.families import detect_family
-from attnreg.hub import detach, is_attached
+from attnreg.hub import detach, is_attached, transformers_model
 from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned
 from attnreg.syntax.data import SyntaxCollator
 
@@ -140,7 +140,9 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     pruning = any(isinstance(callback, HeadGating) for callback in callbacks.values())
     unpruned = copy.deepcopy(model).eval() if decoder and pruning else None  # generation speed against it
     if cfg.get("peft"):
-        model = add_lora(model, **{k: v for k, v in cfg.peft.items() if k != "merge"}, seed=cfg.seed)
+        options = {k: v for k, v in cfg.peft.items() if k != "merge"}
+        task_type = "CAUSAL_LM" if decoder else "SEQ_CLS"  # SEQ_CLS: the new classification head trains too
+        model = add_lora(model, **options, seed=cfg.seed, task_type=task_type)
     count_causal_rows(data, model)
     provide(callbacks.values(), data)
     module = instantiate(cfg.module, model=model)
@@ -159,7 +161,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     if decoder:
         summary = summarize_decoder(cfg, module.model, data, callbacks, trainer, seconds, choices or {}, unpruned)
     else:
-        summary = summarize(cfg, module.model, data, callbacks, trainer, seconds, choices or {})
+        summary = summarize(cfg, transformers_model(module.model), data, callbacks, trainer, seconds, choices or {})
     summary["checkpoint"] = checkpoint.best_model_path or None
     summary["output_dir"] = str(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
