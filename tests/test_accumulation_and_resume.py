@@ -257,13 +257,50 @@ class Fixed(torch.utils.data.IterableDataset):
         return iter(self.rows)
 
 
+def split_run(tmp_path, chosen, batch, accumulation, rows=uneven) -> dict[str, torch.Tensor]:
+    trainer = AttnRegTrainer(
+        model=tiny_model("llama", head="causal_lm").train(),
+        args=hf_arguments(
+            tmp_path, max_steps=1, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation
+        ),
+        train_dataset=Fixed(rows(8)),
+        methods=chosen(),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if issubclass(w.category, UnevenMicroBatchesWarning)]
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+def teacher():
+    return tiny_model("llama", head="causal_lm", seed=5).eval()
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [term_methods, lambda: [methods.Distillation(teacher(), weight=5.0)]],
+    ids=["entropy", "distillation"],
+)
+def test_hf_term_weight_does_not_depend_on_how_rows_of_different_lengths_are_split(tmp_path, chosen):
+    """Short rows in one micro-batch, long in the other: 2 x 4 ends on the weights of 1 x 8 (the global mean),
+    as the model's own loss does through `num_items_in_batch`."""
+    whole = split_run(tmp_path / "whole", chosen, batch=8, accumulation=1)
+    split = split_run(tmp_path / "split", chosen, batch=4, accumulation=2)
+    plain = split_run(tmp_path / "plain", lambda: [], batch=8, accumulation=1)
+    assert max(float((whole[name] - plain[name]).abs().max()) for name in whole) > 1e-3  # the terms act
+    for name, value in whole.items():
+        torch.testing.assert_close(split[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("rows, warned", [(uneven, True), (examples, False)], ids=["uneven", "even"])
-def test_hf_says_when_micro_batches_differ_in_tokens(tmp_path, rows, warned):
+def test_hf_says_when_a_term_cannot_be_weighed_by_its_items(tmp_path, rows, warned):
+    """A term that is no mean over items (entropy held in a band) keeps the per-micro-batch mean: said."""
     trainer = AttnRegTrainer(
         model=tiny_model("llama", head="causal_lm").train(),
         args=hf_arguments(tmp_path, max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2),
         train_dataset=Fixed(rows(8)),
-        methods=term_methods(),
+        methods=[methods.EntropyRegularizer(weight=1.0, mode="target", target=(0.2, 0.3))],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

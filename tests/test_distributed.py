@@ -229,7 +229,8 @@ def launch(script: str, folder: Path, *arguments: str) -> None:
     path = Path(__file__).with_name(script)
     env = {**os.environ, "PYTHONPATH": str(path.parent.parent), "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master_port={free_port()}"]
-    for command in ([*torchrun, str(path), str(folder), *arguments], [sys.executable, str(path), str(folder), "one"]):
+    one = [sys.executable, str(path), str(folder), *arguments, "one"]
+    for command in ([*torchrun, str(path), str(folder), *arguments], one):
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
@@ -254,6 +255,18 @@ def test_hugging_face_trainer_under_ddp_removes_heads_during_training_as_one_pro
         assert result["rounds"] == expected["rounds"] and result["removed"] == expected["removed"]
         assert result["rewrapped"] == 2  # a new wrapper after each round during training
         assert_same_weights(result["weights"], expected["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hugging_face_trainer_under_ddp_with_rows_of_different_lengths_as_one_process(tmp_path):
+    """Two DDP processes with accumulation 2 (micro-batches of 1 row of 2, 5 or 8 real tokens) against one
+    process on the global batches of 4: the entropy term is weighed by each micro-batch's share of the step's
+    rows over both processes, so the weights agree (issue 38.2: 0.12 apart without it)."""
+    launch("distributed_hf.py", tmp_path, "uneven")
+    expected = torch.load(tmp_path / "one0.pt")
+    for rank in range(WORLD):
+        assert_same_weights(torch.load(tmp_path / f"rank{rank}.pt")["weights"], expected["weights"])
 
 
 @pytest.mark.slow

@@ -155,6 +155,14 @@ class AttnRegTrainerMixin(KeepColumns):
         steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         return 1.0 / steps if scaled else 1.0
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """The Trainer's micro-batches of one optimizer step; the runner counts the items of its terms in them,
+        over processes (`Runner.window`), so a term's weight does not depend on how rows are split."""
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        several = self.args.world_size > 1
+        self.attnreg.window(batches, self.args.world_size, _all_reduce if several else None)
+        return batches, items
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, with the attnreg figures (their mean since the last log) added to training logs."""
         if "loss" in logs:
@@ -305,6 +313,14 @@ class _Events(TrainerCallback):
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _all_reduce(tensor: torch.Tensor) -> None:
+    """Sum `tensor` over the processes, in place (on the device the process group runs on)."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    moved = tensor.to(torch.device("cuda", torch.cuda.current_device())) if nccl else tensor
+    torch.distributed.all_reduce(moved)
+    tensor.copy_(moved.cpu())
 
 
 def _broadcast(value: Any) -> Any:

@@ -10,7 +10,8 @@ The events, each optional (the base class does nothing):
 2. `configure_optimizer(model)`: a method that builds the optimizer returns it (and its learning-rate factor per step).
 3. `start(estimated_steps)`, then `on_fit_start(loop)`: the training length is fixed; the optimizer exists.
 4. every optimizer step: `on_step_begin(loop)`; `term(record, batch, step)` on every micro-batch for a
-   method with a loss term (the layers in `layers` are captured, their inputs with `inputs=True`);
+   method with a loss term (the layers in `layers` are captured, their inputs with `inputs=True`; a term that is
+   a mean over items says how many in `items(batch)`);
    `on_before_optimizer_step(loop)`; `on_step_end(loop)`.
 5. `on_epoch_begin(loop)`, `on_epoch_end(loop)`; `on_fit_end(loop)` once training is over;
    `teardown()` in every case (what must not outlive training: dropout rates, `requires_grad`).
@@ -183,6 +184,12 @@ class Method:
     def term(self, record: Any, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """(the weighted loss term of a micro-batch, figures to log), or None for a method without one.
         `record` holds what the hub captured of `layers` in the micro-batch's forward."""
+        return None
+
+    def items(self, batch: Any) -> int | None:
+        """How many items (query rows, tokens) the term of `batch` is a mean over, for a term that is one; None
+        for the others. An adapter that sees an optimizer step's micro-batches ahead (the `Trainer`) weighs
+        each micro-batch's term by its share of the step's items, over processes too (`Runner.window`)."""
         return None
 
     def on_before_optimizer_step(self, loop: Loop) -> None:

@@ -94,6 +94,8 @@ class Runner:
         self.model: nn.Module | None = None
         self._figures: dict[str, list[float]] = {}
         self._tokens: list[int] = []  # real tokens of each micro-batch with terms since the last optimizer step
+        self._window: dict[str, float] = {}  # items of each term over the optimizer step's micro-batches, all processes
+        self._parts = 1  # micro-batches x processes of that step
         self._warned_uneven = False
         _check(list(methods))
         for method in methods:
@@ -230,9 +232,37 @@ class Runner:
             value = full_value(value)
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
                 raise TypeError(f"the term of {method.name!r} must return a scalar tensor, got {value!r}")
-            total = total + value * scale
+            share = 1.0
+            if self._window.get(method.name):  # this micro-batch's items against the step's mean
+                share = method.items(batch) * self._parts / self._window[method.name]
+            total = total + value * (scale * share)
             self.record({method.name: value.detach(), **{name: full_value(figure) for name, figure in figures.items()}})
         return total
+
+    def window(self, batches: Sequence[Any], world_size: int = 1, all_reduce: Any = None) -> None:
+        """Before the micro-batches `batches` of one optimizer step run: count the items each term is a mean over
+        (`Method.items`) in all of them, summed over the processes by `all_reduce` (in place, on a float64
+        tensor), so that each micro-batch's term weighs by its share of the step's items, as transformers'
+        `num_items_in_batch` does for the model's loss: the weight then means the same however the global batch
+        is split over micro-batches and processes, rows of any length. `loss` applies it until the optimizer steps.
+
+        Example:
+            >>> from attnreg import methods
+            >>> from attnreg.tiny import tiny_model
+            >>> runner = Runner([methods.EntropyRegularizer(mode="max", normalize=False)])
+            >>> runner.bind(tiny_model("bert"))
+            >>> ids = torch.ones(1, 4, dtype=torch.long)
+            >>> short, long = {"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 0, 0]])}, {"input_ids": ids}
+            >>> runner.window([short, long]); runner._window, runner._parts       # rows: 2 + 4, two micro-batches
+            ({'entropy_regularizer': 6.0}, 2)
+        """
+        counts = {method.name: [method.items(batch) for batch in batches] for method in self.terms}
+        counts = {name: float(sum(found)) for name, found in counts.items() if None not in found}
+        if all_reduce is not None and counts:
+            summed = torch.tensor(list(counts.values()), dtype=torch.float64)
+            all_reduce(summed)
+            counts = dict(zip(counts, summed.tolist(), strict=True))
+        self._window, self._parts = counts, len(batches) * world_size
 
     def record(self, figures: Mapping[str, Any]) -> None:
         """Keep figures (`attnreg/<name>`) for the next `figures()`."""
@@ -261,10 +291,13 @@ class Runner:
 
     def _check_even(self, loop: Loop) -> None:
         """Warn once where the micro-batches of one optimizer step (over accumulation, and against rank 0's)
-        hold different numbers of real tokens: each term is a mean over its micro-batch, so its weight then
-        depends on how the global batch was split (docs/guarantees.md)."""
+        hold different numbers of real tokens and a term was not weighed by its share of the step's items
+        (`window`: no adapter counted them ahead, or the term is no mean over items): its weight then depends on
+        how the global batch was split (docs/guarantees.md)."""
         tokens, self._tokens = self._tokens, []
-        if not self.terms:
+        counted, self._window = self._window, {}
+        uncounted = [method.name for method in self.terms if method.name not in counted]
+        if not uncounted:
             return
         uneven = len(set(tokens)) > 1
         if loop.world_size > 1:
@@ -273,7 +306,7 @@ class Runner:
             self._warned_uneven = True
             warnings.warn(
                 f"the micro-batches of optimizer step {loop.step} hold different numbers of real tokens {tokens}: "
-                f"the terms of {[m.name for m in self.terms]} are each a mean over one micro-batch (then averaged "
+                f"the terms of {uncounted} are each a mean over one micro-batch (then averaged "
                 "over the accumulation steps and processes), so their weight depends on how the global batch is "
                 "split; for weights that do not, give the micro-batches equal lengths (pack or pad to a fixed "
                 "length) or use one micro-batch per step on one process (docs/guarantees.md)",

@@ -85,6 +85,17 @@ class Distillation(Method):
     def on_fit_start(self, loop: Loop) -> None:
         self.teacher.to(next(self.require_bound().parameters()).device)
 
+    def items(self, batch: Any) -> int | None:
+        """The tokens (a language model's logits, the real ones) or rows (a classifier's) the loss is a mean
+        over in `batch`; None where the hidden-state part would average over other items than the logits."""
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            return None
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        per_token = self.require_bound().get_output_embeddings() is not None  # a language-model head
+        if not per_token:
+            return None if self.hidden_weight > 0 else int(ids.shape[0])
+        return int(ids.numel() if mask is None else mask.bool().sum())
+
     def term(self, record: Any, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
         if self._forward is None:
             raise RuntimeError(

@@ -13,7 +13,7 @@ import torch
 
 from attnreg import blockwise
 from attnreg.hub import AttentionRecord
-from attnreg.losses import EntropyMode, attention_entropy, entropy_penalty
+from attnreg.losses import EntropyMode, admissible_keys, attention_entropy, entropy_penalty
 from attnreg.methods.loss_term import Heads, LossTerm
 from attnreg.schedules import ScheduleLike
 
@@ -69,6 +69,17 @@ class EntropyRegularizer(LossTerm):
 
     def identity(self) -> dict[str, Any]:
         return {**super().identity(), "mode": self.mode, "target": self.target}
+
+    def items(self, batch: Any) -> int | None:
+        """The query rows the term is a mean over in `batch` (real tokens; with `normalize`, those with more than
+        one key to attend to); None for `mode="target"`, which is no mean over rows."""
+        if self.mode == "target" or not isinstance(batch, dict) or "input_ids" not in batch:
+            return None
+        shape = batch["input_ids"].shape
+        rows, counts = admissible_keys(
+            batch.get("attention_mask"), torch.Size((*shape[:1], 1, *shape[1:2] * 2)), self.causal
+        )
+        return int((rows & (counts > 1)).sum() if self.normalize else rows.sum())
 
     def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
