@@ -299,6 +299,9 @@ def _blocks(
         raise ValueError(f"{query.shape[1]} query heads cannot share {kv_heads} key/value heads evenly")
     group = query.shape[1] // kv_heads
     chosen = list(range(query.shape[1])) if heads is None else list(heads)
+    outside = [head for head in chosen if not 0 <= head < query.shape[1]]
+    if outside or not chosen:
+        raise IndexError(f"heads {chosen} must name head positions 0..{query.shape[1] - 1} (the layer's query heads)")
     ranked = [i for head in range(query.shape[1]) for i, other in enumerate(chosen) if other == head]  # traceable
     order = None
     if ranked != list(range(len(chosen))):

@@ -392,6 +392,15 @@ def test_grouped_keys_are_never_repeated_the_entropy_keeps_what_sdpa_keeps():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [[0, 4], [-1], []])
+def test_heads_outside_the_layer_are_refused_not_read_as_another_head(heads):
+    query, key = inputs()
+    with pytest.raises(IndexError, match=r"must name head positions 0\.\.3"):
+        row_entropy(query, key, None, D**-0.5, heads)
+    with pytest.raises(IndexError, match=r"must name head positions 0\.\.3"):
+        prior_cross_entropy(query, key, None, torch.zeros(B, T, dtype=torch.long), D**-0.5, heads)
+
+
 def test_the_kl_on_a_grouped_query_model_breaks_the_graph_only_at_the_prior_check():
     """On a grouped-query model (Llama, 4 query heads sharing 2 key/value heads, padded rows) the blockwise entropy
     traces as one graph (above) and the blockwise KL breaks it only where `check_prior` reads the prior's values once
