@@ -107,16 +107,7 @@ def scale_input_columns(projection: nn.Module, scale: torch.Tensor) -> None:
         Parameter containing:
         tensor([[0., 3.]], requires_grad=True)
     """
-    factors = lora_factors(projection)
-    projection = base_layer(projection)
-    weight = projection.weight
-    with torch.no_grad():
-        if isinstance(projection, Conv1D):
-            weight.mul_(scale.to(weight)[:, None])
-        else:
-            weight.mul_(scale.to(weight)[None, :])
-        for first, _ in factors:
-            first.weight.mul_(scale.to(first.weight)[None, :])
+    _scale_features(projection, scale, output=False)
 
 
 def scale_output_rows(projection: nn.Module, scale: torch.Tensor, start: int = 0) -> None:
@@ -131,20 +122,17 @@ def scale_output_rows(projection: nn.Module, scale: torch.Tensor, start: int = 0
         Parameter containing:
         tensor([1., 0., 2.], requires_grad=True)
     """
-    stop = start + scale.numel()
-    factors = lora_factors(projection)
-    projection = base_layer(projection)
+    _scale_features(projection, scale, output=True, start=start)
+
+
+def _scale_features(projection: nn.Module, scale: torch.Tensor, output: bool, start: int = 0) -> None:
+    """Multiply features `start : start + len(scale)` of every tensor `feature_tensors` lists, in place."""
     with torch.no_grad():
-        for _, second in factors:
-            second.weight[start:stop].mul_(scale.to(second.weight)[:, None])
-            if second.bias is not None:
-                second.bias[start:stop].mul_(scale.to(second.bias))
-        if isinstance(projection, Conv1D):
-            projection.weight[:, start:stop].mul_(scale.to(projection.weight)[None, :])
-        else:
-            projection.weight[start:stop].mul_(scale.to(projection.weight)[:, None])
-        if projection.bias is not None:
-            projection.bias[start:stop].mul_(scale.to(projection.bias))
+        for _, _, tensor, dim in feature_tensors(projection, output):
+            part = tensor
+            if start > 0 or scale.numel() != tensor.shape[dim]:
+                part = tensor[(slice(None),) * dim + (slice(start, start + scale.numel()),)]
+            part.mul_(scale.to(tensor).reshape([-1 if axis == dim else 1 for axis in range(tensor.dim())]))
 
 
 def check_sliceable(projection: nn.Module, output: bool) -> None:
