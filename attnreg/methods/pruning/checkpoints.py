@@ -17,9 +17,9 @@ from attnreg.methods.pruning.surgery import prune_heads, silence_heads
 FOLDED_GATES = "attnreg_folded_gates"
 """Lightning checkpoint entry: layers whose gates were folded into the weights (so the checkpoint has none)."""
 GATES = "attnreg_gates"
+"""Structure entry: the hub's gates at the save, by layer, with their values (a PEFT checkpoint has none)."""
 FOLDED_VALUES = "attnreg_folded_gate_values"
 """Structure entry: the gate values folded into each layer's output projection at a removal (`folded_gates`)."""
-"""Structure entry: the hub's gates at the save, by layer, with their values (a PEFT checkpoint has none)."""
 
 
 def model_structure(model: nn.Module) -> dict[str, Any]:
