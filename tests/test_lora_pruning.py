@@ -340,3 +340,16 @@ def test_a_count_of_key_value_groups_is_checked_against_the_model():
     gating = attnreg.methods.HeadGating(attnreg.methods.L1Gates(), attnreg.methods.Removal(keep=5, groups=True))
     with pytest.raises(ValueError, match=r"keep=5 key/value groups, but the gated layers \[0, 1\] have only 4"):
         gating.bind(tiny_model("llama"), taken=set())
+
+
+def test_protected_heads_count_their_key_value_groups_against_keep():
+    """Two protected heads in two groups cannot both stay when one group is kept: refused at bind, not a protected
+    head removed."""
+    removal = attnreg.methods.Removal(keep=1, groups=True, protect={0: [0], 1: [0]})
+    gating = attnreg.methods.HeadGating(attnreg.methods.L1Gates(), removal)
+    with pytest.raises(ValueError, match="protect holds heads of 2 key/value groups, more than keep=1 groups kept"):
+        gating.bind(tiny_model("llama"), taken=set())
+    fits = attnreg.methods.Removal(keep=1, groups=True, protect={0: [0, 1]})  # one group: it stays, the others go
+    gating = attnreg.methods.HeadGating(attnreg.methods.L1Gates(), fits)
+    gating.bind(tiny_model("llama"), taken=set())
+    assert gating.choose(1) == {0: [2, 3], 1: [0, 1, 2, 3]}

@@ -236,7 +236,7 @@ class HardConcreteGates(GateKind):
 @dataclass(frozen=True)
 class Removal:
     """Which heads go and when (see the module docstring). `protect` heads always stay and count among
-    the `keep` kept.
+    the `keep` kept (with `groups`, their key/value groups count, checked when the method binds to a model).
 
     Example:
         >>> Removal(keep=36, protect={4: [9], 2: [1, 1]}).protect        # original head numbers per layer
@@ -427,6 +427,16 @@ class HeadGating(Method):
                 raise ValueError(
                     f"HeadGating: protect names heads {missing} of layer {layer}, which has heads "
                     f"{list(pruning.head_numbers(model, layer))} ({type(model).__name__})"
+                )
+        if removal.groups and removal.protect:  # a protected head keeps its whole key/value group
+            protected = {
+                (layer, head // self.group_sizes[layer]) for layer, heads in removal.protect.items() for head in heads
+            }
+            fewest = min((count for _, count in removal.milestones or ()), default=removal.keep)
+            if fewest is not None and len(protected) > fewest:
+                raise ValueError(
+                    f"HeadGating: protect holds heads of {len(protected)} key/value groups, more than keep={fewest} "
+                    "groups kept"
                 )
         if self.pruned:
             return
