@@ -124,6 +124,17 @@ def test_lm_margins_equal_an_unbatched_reference(pairs):
     assert math.isclose(scores["margin"]["all"], sum(expected) / 4, abs_tol=1e-4)
 
 
+def test_a_prefix_without_tokens_is_refused_not_scored_from_another_position():
+    from attnreg.app.task import build_tokenizer
+    from attnreg.syntax.agreement import AgreementPair
+
+    tokenizer = build_tokenizer(["keys", "are", "is"])  # adds [CLS] and [SEP], no start token for a decoder
+    model = tiny_model("llama", head="causal_lm", vocab=len(tokenizer))
+    empty = AgreementPair("", " are", " is", True, 0, 1, 0, True, "sent_id s9")
+    with pytest.raises(ValueError, match="agreement pair of sent_id s9: the prefix '' gives no token"):
+        pair_margins(model, tokenizer, [empty])
+
+
 @pytest.mark.skipif(not (DATA / "ud_english_ewt").is_dir(), reason="UD English EWT not found under ../shared/data")
 def test_ewt_dev_gives_hundreds_of_pairs_and_some_with_attractors():
     found = counts(minimal_pairs(DATA / "ud_english_ewt" / "en_ewt-ud-dev.conllu"))

@@ -52,6 +52,11 @@ def pair_margins(
         sequences, spans = [], []
         for pair in pairs[start : start + batch_size]:
             prefix = _prefix_ids(tokenizer, pair.prefix)
+            if not prefix:  # the first form token would be scored by the logits of the batch's last position
+                raise ValueError(
+                    f"agreement pair of {pair.where}: the prefix {pair.prefix!r} gives no token, and "
+                    f"{type(tokenizer).__name__} adds no start token, so nothing predicts the verb"
+                )
             for form in (pair.good, pair.bad):
                 continuation = tokenizer(form, add_special_tokens=False)["input_ids"]
                 sequences.append(prefix + continuation)
