@@ -28,6 +28,17 @@ def main_output(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output.last_hidden_state
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): they
+    run fastest on one, and on two threads of a busy 2-core machine several times slower (tests/test_lora_pruning.py:
+    33 s on two, 7 s on one); the thread count is restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

@@ -22,6 +22,7 @@ from attnreg.app.task import build_tokenizer, generate, vocabulary
 from attnreg.methods.pruning import prune_heads
 from attnreg.tiny import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is several times faster
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 BLOCK_NETWORK = "--host-resolver-rules=MAP * ~NOTFOUND"  # every host name fails to resolve
 

@@ -14,6 +14,7 @@ from attnreg.methods import pruning
 from attnreg.tiny import tiny_model
 from attnreg.weights import adapter_layers, out_features
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is several times faster
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[peft]')")
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
