@@ -62,7 +62,7 @@ TOP_K = 8
 """Keys kept per query and head, at most (fewer where the budget says so)."""
 
 BUDGET = 25_000_000
-"""Bytes the HTML file may take, by default: MiniLM on a 512-token input takes about 1.2 MB with `TOP_K` keys,
+"""Bytes the HTML file may take, by default: MiniLM on a 512-token input takes about 1.3 MB with `TOP_K` keys,
 SmolLM2-135M (30 x 9 heads) on 8,192 tokens keeps 2 keys per query to stay under it."""
 
 _ASSETS = Path(__file__).parent
