@@ -115,6 +115,9 @@ def test_marks_groups_and_importance(tokenizer):
     assert None not in view.models[1]["statistics"]["entropy"][0]
     with pytest.raises(ValueError, match="layer 0 has 4 scores; the layer has 2 heads now"):
         head_view(pruned, tokenizer, texts, importance={0: torch.ones(4)})
+    for layer in (-1, 2):  # not taken for the last layer, nor an IndexError
+        with pytest.raises(ValueError, match=f"importance names layer {layer}; the model has layers 0-1"):
+            head_view(pruned, tokenizer, texts, importance={layer: torch.ones(4)})
     with pytest.raises(TypeError, match="only Sentence objects or only texts"):
         head_view(model, tokenizer, ["a text", generate(1)[0].sentence])
 

@@ -492,6 +492,8 @@ def _importance_grid(
             )
         return scores.detach().float().cpu()
     for layer, values in scores.items():
+        if not 0 <= int(layer) < shape["layers"]:
+            raise ValueError(f"importance names layer {layer}; the model has layers 0-{shape['layers'] - 1}")
         numbers = head_numbers(model, int(layer))
         if len(values) != len(numbers):
             raise ValueError(
