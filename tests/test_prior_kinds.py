@@ -130,6 +130,13 @@ def test_collator_builds_each_kind_under_its_key_and_counts_causal_rows(recwarn)
     assert (collate.stats.causal_rows, collate.stats.causal_rows_dropped) == (3, 2)
 
 
+def test_a_kind_under_the_main_priors_key_is_refused_not_overwriting_it():
+    from attnreg.app.task import build_tokenizer
+
+    with pytest.raises(ValueError, match="kinds has a prior under 'attnreg_prior', the main prior's key"):
+        SyntaxCollator(build_tokenizer(list(WORDS)), prior="parent", kinds={"attnreg_prior": "nsubj"})
+
+
 # -- the KL against eager attention, both paths ------------------------------------------------------------
 def kl_reference(probs: torch.Tensor, prior: np.ndarray, head: int) -> float:
     """Mean over rows with prior mass of KL(prior row || attention row), one head, from eager probabilities."""

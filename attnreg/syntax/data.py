@@ -232,6 +232,11 @@ class SyntaxCollator:
         self.prior = SyntaxPrior(prior) if isinstance(prior, str) else prior
         # more priors, each under its own batch key (`SyntaxPriorKL(kinds=...).kind_priors`)
         self.kinds = {key: SyntaxPrior(p) if isinstance(p, str) else p for key, p in (kinds or {}).items()}
+        if self.prior is not None and prior_key in self.kinds:
+            raise ValueError(
+                f"SyntaxCollator: kinds has a prior under {prior_key!r}, the main prior's key (prior_key); give it "
+                "another key, or pass prior=None"
+            )
         self.max_length = max_length
         self.prior_key, self.label_key = prior_key, label_key
         self.causal = causal
