@@ -279,7 +279,12 @@ class SyntaxPrior:
 
     def arcs(self, relations: Sequence[Sequence[str]], count: int) -> np.ndarray | None:
         """Which arcs the prior keeps `[B, count]` (word i's arc to its head), from each sentence's relations; None
-        for every arc (no `relations` chosen)."""
+        for every arc (no `relations` chosen).
+
+        Example:
+            >>> SyntaxPrior("nsubj").arcs([["det", "nsubj:pass", "root"]], count=4)     # subtypes folded
+            array([[False,  True, False, False]])
+        """
         if self.relations is None:
             return None
         chosen = set(self.relations)
