@@ -40,7 +40,8 @@ def main(out: Path, one: bool, uneven: bool = False) -> None:
     )
     removal = methods.Removal(milestones=[(0.5, 6), (1.0, 5)])  # 8 heads: 6 after step 2, 5 after step 4
     gating = methods.HeadGating(methods.L1Gates(weight=0.5), removal)
-    chosen = [methods.EntropyRegularizer(weight=1.0, mode="max"), *([] if uneven else [gating])]
+    entropy = methods.EntropyRegularizer(weight=50.0 if uneven else 1.0, mode="max")  # uneven: a term that shows
+    chosen = [entropy, *([] if uneven else [gating])]
     trainer = AttnRegTrainer(
         model=tiny_model("gpt2", head="causal_lm").train(), args=args, train_dataset=examples(uneven), methods=chosen
     )

@@ -299,9 +299,8 @@ class Runner:
         uncounted = [method.name for method in self.terms if method.name not in counted]
         if not uncounted:
             return
-        uneven = len(set(tokens)) > 1
-        if loop.world_size > 1:
-            uneven = uneven or loop.broadcast(tokens[:1]) != tokens[:1]
+        first = loop.broadcast(tokens[:1]) if loop.world_size > 1 else tokens[:1]  # on every rank: a collective
+        uneven = len(set(tokens)) > 1 or first != tokens[:1]
         if uneven and not self._warned_uneven:
             self._warned_uneven = True
             warnings.warn(
