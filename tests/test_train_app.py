@@ -371,7 +371,7 @@ def test_every_experiment_preset_instantiates(option):
     skip_unless_available("experiment", option)
     cfg = composed(f"experiment={option}")
     callbacks = [instantiate(node, _convert_="all") for node in cfg.attnreg.values()]
-    source = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
+    source = load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
     data = instantiate(cfg.data, tokenizer=source, with_prior=False)
     model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
     module = instantiate(cfg.module, model=model)
