@@ -231,7 +231,8 @@ def launch(script: str, folder: Path, *arguments: str) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master_port={free_port()}"]
     one = [sys.executable, str(path), str(folder), *arguments, "one"]
     for command in ([*torchrun, str(path), str(folder), *arguments], one):
-        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        # in `folder`: what a run writes to its working folder (Lightning's default_root_dir) stays out of the checkout
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=folder)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
 

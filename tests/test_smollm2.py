@@ -251,7 +251,8 @@ def test_the_causal_prior_preset_runs_a_few_steps(tmp_path):
         "data.limit_val=8",
     )
     assert summary["steps"] == 2 and list(summary["parent_accuracy"]["supervised"]) == ["L15H2"]
-    assert 1 < summary["perplexity"]["val"] < 100 and summary["metrics"]["attnreg/syntax_prior_kl"] > 0
+    # A pretrained model reads EWT near 100 (87 on 100 dev sentences), an untrained one near its vocabulary (49,152)
+    assert 1 < summary["perplexity"]["val"] < 1000 and summary["metrics"]["attnreg/syntax_prior_kl"] > 0
 
 
 def test_the_pruning_preset_removes_key_value_groups_and_reports_speed(tmp_path):

@@ -193,7 +193,7 @@ def summarize_decoder(
         "loss": {"val": scores["loss"]},
         "predicted_tokens": {"val": scores["tokens"]},
         "metrics": {key: round(float(value), 4) for key, value in trainer.callback_metrics.items()},
-        "entropy": [round(value, 4) for value in layer_entropy(model, val)],
+        "entropy": [None if value is None else round(value, 4) for value in layer_entropy(model, val)],
         "parent_accuracy": None,
         "continuations": greedy_continuations(model, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16)),
         "pruning": pruning_report(model),
