@@ -45,8 +45,11 @@ def test_a_method_has_one_name_in_class_callback_config_and_logs(method):
 
 @pytest.mark.parametrize("old", sorted(methods.RENAMED))
 def test_an_old_method_name_warns_and_is_the_new_class(old):
+    shown = shown_to_a_user(lambda: getattr(methods, old))  # under Python's default filters, from a user's module
+    new = methods.RENAMED[old]
+    assert shown == [f"FutureWarning: attnreg.methods.{old} is deprecated: use attnreg.methods.{new} (the same method)"]
     with pytest.warns(
-        DeprecationWarning, match=f"attnreg.methods.{old} is deprecated: use attnreg.methods.{methods.RENAMED[old]}"
+        FutureWarning, match=f"attnreg.methods.{old} is deprecated: use attnreg.methods.{methods.RENAMED[old]}"
     ):
         found = getattr(methods, old)
     assert found is getattr(methods, methods.RENAMED[old])

@@ -30,7 +30,8 @@ RENAMED = {
     "Monitor": "AttentionMonitor",
     "PriorKL": "SyntaxPriorKL",
 }
-"""Old method names, still importable for one release with a `DeprecationWarning` naming the new one."""
+"""Old method names, still importable for one release with a `FutureWarning` (shown by Python's default filters,
+unlike a `DeprecationWarning` raised outside `__main__`) naming the new one."""
 
 
 def __getattr__(name: str):
@@ -49,7 +50,7 @@ def __getattr__(name: str):
         new = RENAMED[name]
         warnings.warn(
             f"attnreg.methods.{name} is deprecated: use attnreg.methods.{new} (the same method)",
-            DeprecationWarning,
+            FutureWarning,
             stacklevel=2,
         )
         return globals()[new]
