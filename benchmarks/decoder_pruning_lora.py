@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import random
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -112,36 +114,106 @@ def recover(pruned, base, kind: str, batches, args, seed: int):
     return model.eval(), seconds
 
 
+# Settings that change a figure: a run folder's results are merged only with a run of the same ones.
+RESULT_SETTINGS = ("quick", "importance", "gate_steps", "recovery", "batch", "lr", "lora_lr", "gate_lr", "rank",
+                   "max_length", "eval")  # fmt: skip
+CHOICES = ["importance", "hard_concrete_lora", "random"]
+
+
+def previous(out, args) -> dict:
+    """The results of earlier runs in `out` (results.json), or {} if none; exits naming the first setting that
+    differs, so that no cell mixes figures made differently.
+
+    Example:
+        >>> import tempfile, argparse
+        >>> args = argparse.Namespace(**{name: 1 for name in RESULT_SETTINGS})
+        >>> previous(Path(tempfile.mkdtemp()), args)
+        {}
+    """
+    path = Path(out) / "results.json"
+    if not path.is_file():
+        return {}
+    report = json.loads(path.read_text())
+    before = report.get("meta", {}).get("settings", {})
+    for name in RESULT_SETTINGS:
+        now = json.loads(json.dumps(getattr(args, name)))
+        if before.get(name) != now:
+            raise SystemExit(
+                f"{path} was made with --{name.replace('_', '-')} {before.get(name)}, this run has {now}: its figures"
+                " would not compare; use another --run (or --out), or the same setting"
+            )
+    report.pop("meta")
+    return report
+
+
+def cell(report: dict, seed: str, sparsity: str, choice: str, kind: str) -> float | None:
+    """The perplexity of one recovery arm (`choice` "" for the unpruned model), or None if not run yet."""
+    entry = report["perplexity"].get(seed, {}).get(sparsity, {})
+    return entry.get(kind) if sparsity == "unpruned" else entry.get(choice, {}).get(kind)
+
+
 def markdown(report: dict, args) -> str:
-    lines = [f"# Pruning a decoder with LoRA ({report['setup']['model']})", "", *quick_banner(args.quick)]
+    """The ratio table over every seed that has both the pruned arm and the unpruned one (the count in each
+    cell: a partial grid says how many seeds each cell holds), the unpruned perplexities, and the speed."""
+    setup = report["setup"]
+    lines = [f"# Pruning a decoder with LoRA ({setup['model']})", "", *quick_banner(args.quick)]
+    seeds = sorted(report["perplexity"], key=int)
+    sparsities = [name for name in SPARSITIES if any(name in report["perplexity"][s] for s in seeds)]
+    kinds = [kind for kind in RECOVERIES if any(cell(report, s, "unpruned", "", kind) for s in seeds)]
     lines += [
-        f"Seeds {args.seeds}; gates trained {args.gate_steps} steps beside LoRA r={args.rank}; recovery {args.recovery}"
-        f" steps of {args.batch}; perplexity on {report['setup']['eval_sentences']} EWT test sentences. Ratio: pruned"
-        " perplexity over the unpruned model's after the same recovery, mean (min-max) over seeds.",
+        f"Seeds {', '.join(seeds)}; gates trained {args.gate_steps} steps beside LoRA r={args.rank}; recovery"
+        f" {args.recovery} steps of {args.batch} sentences; perplexity on {setup['eval_sentences']} EWT test sentences."
+        " Ratio: pruned perplexity over the unpruned model's after the same recovery (same seed, same batches), mean"
+        " (min-max) over the seeds that have both, their count after `n=`; `-`: not run yet.",
         "",
     ]
     rows = []
-    for sparsity in args.sparsities:
-        for choice in ["importance", "hard_concrete_lora", "random"]:
-            row = [sparsity, choice]
-            for kind in args.recoveries:
+    for sparsity in sparsities:
+        for choice in CHOICES:
+            row = [f"{sparsity} ({setup['removed'][sparsity]}/{setup['layers'] * setup['kv_groups']})", choice]
+            for kind in kinds:
                 ratios = [
-                    seed[sparsity][choice][kind] / seed["unpruned"][kind] for seed in report["perplexity"].values()
+                    cell(report, s, sparsity, choice, kind) / cell(report, s, "unpruned", "", kind)
+                    for s in seeds
+                    if cell(report, s, sparsity, choice, kind) and cell(report, s, "unpruned", "", kind)
                 ]
-                row.append(f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+                if not ratios:
+                    row.append("-")
+                elif len(ratios) == 1:
+                    row.append(f"{ratios[0]:.3f} (n=1)")
+                else:
+                    row.append(f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)})")
             rows.append(row)
-    lines += table(["groups removed", "choice", *args.recoveries], rows)
-    speed = report["speed"]
-    lines += ["", "Tokens/s (greedy, KV cache), ratio to unpruned:", ""]
-    lines += table(
-        ["model", "parameters", "batch 1", "batch 8"],
-        [
-            [name, f"{report['parameters'][name] / 1e6:.2f}M"]
-            + [f"{speed[name][b]['tokens_per_s']:.1f} ({speed[name][b]['ratio']:.2f}x)" for b in ("1", "8")]
-            for name in speed
-        ],
-    )
+    lines += table(["groups removed", "choice", *kinds], rows)
+    unpruned = [["unpruned", *[f"{cell(report, s, 'unpruned', '', k) or float('nan'):.2f}" for k in kinds]]
+                for s in seeds]  # fmt: skip
+    lines += ["", "Perplexity of the unpruned model after each recovery, per seed:", ""]
+    lines += table(["seed", *kinds], [[s, *row[1:]] for s, row in zip(seeds, unpruned, strict=True)])
+    speed = report.get("speed") or {}
+    if speed:
+        lines += ["", "Tokens/s (greedy, KV cache; the importance choice of the first seed), ratio to unpruned:", ""]
+        lines += table(
+            ["model", "parameters", "batch 1", "batch 8"],
+            [
+                [name, f"{report['parameters'][name] / 1e6:.2f}M"]
+                + [f"{speed[name][b]['tokens_per_s']:.1f} ({speed[name][b]['ratio']:.2f}x)" for b in ("1", "8")]
+                for name in speed
+            ],
+        )
+    seconds = report.get("arm_seconds", {})
+    if seconds:
+        lines += ["", f"Compute: {len(seconds)} arms, {sum(seconds.values()) / 3600:.2f} h of training and evaluation"
+                  f" ({statistics.mean(seconds.values()):.0f} s per arm)."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def pruned_by_groups(base, removed: dict[int, list[int]], per_group: int):
+    """A copy of `base` without the key/value groups `removed` ({layer: [group]}) and their query heads."""
+    model = copy.deepcopy(base)
+    prune_heads(
+        model, {layer: [g * per_group + i for g in gs for i in range(per_group)] for layer, gs in removed.items()}
+    )
+    return model
 
 
 def main() -> None:
@@ -158,6 +230,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--eval", type=int, default=500)
     parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--sparsities", nargs="+", choices=list(SPARSITIES), default=list(SPARSITIES))
     parser.add_argument("--recoveries", nargs="+", choices=RECOVERIES, default=RECOVERIES)
     add_output_arguments(parser, "tiny random Llama, 2 steps each, one seed")
@@ -166,6 +239,10 @@ def main() -> None:
     if args.quick:
         args.seeds, args.importance, args.gate_steps, args.recovery, args.repetitions = [0], 8, 2, 2, 1
         args.sparsities, args.recoveries = ["quarter"], ["lora", "full+kd"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = previous(args.out, args)  # exits before the model loads if the settings differ
+    earlier_seconds = report.get("seconds", 0.0)
     started = time.perf_counter()
     if args.quick:
         pool = read_ewt("train", 64, min_words=5) if has_ewt() else builtin_sentences(64, seed=10)
@@ -179,9 +256,19 @@ def main() -> None:
     config = base.config
     layers, groups = config.num_hidden_layers, config.num_key_value_heads
     per_group = config.num_attention_heads // groups
+    removed_count = {name: round(fraction * layers * groups) for name, fraction in SPARSITIES.items()}
     test_texts = [s.text for s in test]
-    results, kept_models = {}, {}
-    for seed in args.seeds:
+    report.setdefault("perplexity", {})
+    report.setdefault("arm_seconds", {})
+    report["setup"] = {"model": description, "layers": layers, "kv_groups": groups, "removed": removed_count,
+                       "eval_sentences": len(test_texts), "threads": torch.get_num_threads(),
+                       "quick": args.quick}  # fmt: skip
+
+    def save() -> None:
+        report["seconds"] = round(earlier_seconds + time.perf_counter() - started, 1)
+        write_results(args.out, report, markdown(report, args), args)
+
+    def schedule(seed: int) -> tuple:
         order = random.Random(seed).sample(range(len(pool)), len(pool))
         texts = [pool[i].text for i in order]
         needed = args.importance + (args.gate_steps + args.recovery) * args.batch
@@ -190,47 +277,69 @@ def main() -> None:
         gate_texts = texts[args.importance :][: args.gate_steps * args.batch]
         gate_batches = lm_batches(tokenizer, gate_texts, args.batch, args.max_length)
         recovery_batches = lm_batches(tokenizer, texts[-args.recovery * args.batch :], args.batch, args.max_length)
-        by_group = group_scores(head_importance(copy.deepcopy(base), importance), groups)
-        arms = {"unpruned": {"": base}}
-        for sparsity in args.sparsities:
-            fraction = SPARSITIES[sparsity]
-            keep = layers * groups - round(fraction * layers * groups)
-            chosen = {"importance": choose_groups(by_group, "global", fraction),
-                      "random": random_groups(layers, groups, fraction, seed)}  # fmt: skip
-            arms[sparsity] = {}
-            for choice, removed in chosen.items():
-                model = copy.deepcopy(base)
-                prune_heads(model, {layer: [g * per_group + i for g in gs for i in range(per_group)]
-                                    for layer, gs in removed.items()})  # fmt: skip
-                arms[sparsity][choice] = model
-            arms[sparsity]["hard_concrete_lora"] = gated_choice(base, gate_batches, args, seed, keep)
-        results[str(seed)] = {}
-        for sparsity, choices in arms.items():
-            for choice, pruned in choices.items():
-                for kind in args.recoveries:
-                    model, seconds = recover(pruned, base, kind, recovery_batches, args, seed)
-                    value = perplexity(model, tokenizer, test_texts, 32, args.max_length)["perplexity"]
-                    entry = results[str(seed)].setdefault(sparsity, {})
-                    if sparsity == "unpruned":
-                        entry[kind] = value
-                    else:
-                        entry.setdefault(choice, {})[kind] = value
-                    print(f"seed {seed} {sparsity} {choice or ''} {kind}: {value:.2f} ({seconds:.0f} s)", flush=True)
-                    if seed == args.seeds[0] and kind == "lora" and choice in ("", "importance"):
-                        kept_models[sparsity] = model
-    prompts = speed_prompts(tokenizer, test_texts, 16)
-    speed = generation_speed(kept_models, prompts, 32 if not args.quick else 4, args.repetitions)
-    report = {
-        "setup": {"model": description, "layers": layers, "kv_groups": groups, "eval_sentences": len(test_texts),
-                  "threads": torch.get_num_threads(), "quick": args.quick},
-        "perplexity": results,
-        "parameters": {name: count_parameters(model) for name, model in kept_models.items()},
-        "speed": speed,
-        "seconds": round(time.perf_counter() - started, 1),
-    }  # fmt: skip
-    text = markdown(report, args)
-    write_results(args.out, report, text, args)
-    print(text)
+        return importance, gate_batches, recovery_batches
+
+    def importance_groups(importance_batches) -> dict:
+        return group_scores(head_importance(copy.deepcopy(base), importance_batches), groups)
+
+    # Speed depends on the architecture only: the unpruned model and each sparsity's importance choice (first seed),
+    # measured once per sparsity and kept across resumed runs.
+    speed_sparsities = [name for name in SPARSITIES if name in args.sparsities or name in report.get("speed", {})]
+    if any(name not in report.get("speed", {}) for name in speed_sparsities):
+        by_group = importance_groups(schedule(min(args.seeds))[0])
+        kept = {"unpruned": base}
+        for name in speed_sparsities:
+            kept[name] = pruned_by_groups(base, choose_groups(by_group, "global", SPARSITIES[name]), per_group)
+        prompts = speed_prompts(tokenizer, test_texts, 16)
+        report["speed"] = generation_speed(kept, prompts, 32 if not args.quick else 4, args.repetitions)
+        report["parameters"] = {name: count_parameters(model) for name, model in kept.items()}
+        del kept
+        save()
+
+    arms = [("unpruned", "", kind) for kind in args.recoveries]
+    arms += [(sparsity, choice, kind) for sparsity in args.sparsities for choice in CHOICES for kind in args.recoveries]
+    for seed in args.seeds:
+        todo = [arm for arm in arms if cell(report, str(seed), *arm) is None]
+        print(f"seed {seed}: {len(arms) - len(todo)} arms done before, {len(todo)} to run", flush=True)
+        if not todo:
+            continue
+        importance_batches, gate_batches, recovery_batches = schedule(seed)
+        by_group = importance_groups(importance_batches) if any(c == "importance" for _, c, _ in todo) else None
+        pruned = {}  # (sparsity, choice) -> the model that recovers, built when its first arm runs
+        for sparsity, choice, kind in todo:
+            if (sparsity, choice) not in pruned:
+                pruned.clear()  # one pruned model in memory at a time
+                fraction = SPARSITIES.get(sparsity)
+                if sparsity == "unpruned":
+                    pruned[sparsity, choice] = base
+                elif choice == "importance":
+                    removed = choose_groups(by_group, "global", fraction)
+                    pruned[sparsity, choice] = pruned_by_groups(base, removed, per_group)
+                elif choice == "random":
+                    removed = random_groups(layers, groups, fraction, seed)
+                    pruned[sparsity, choice] = pruned_by_groups(base, removed, per_group)
+                else:
+                    gate_started = time.perf_counter()
+                    keep = layers * groups - removed_count[sparsity]
+                    pruned[sparsity, choice] = gated_choice(base, gate_batches, args, seed, keep)
+                    gate_seconds = time.perf_counter() - gate_started
+                    report["arm_seconds"][f"{seed}/{sparsity}/{choice}/gates"] = round(gate_seconds, 1)
+            arm_started = time.perf_counter()
+            model, seconds = recover(pruned[sparsity, choice], base, kind, recovery_batches, args, seed)
+            value = perplexity(model, tokenizer, test_texts, 32, args.max_length)["perplexity"]
+            del model
+            entry = report["perplexity"].setdefault(str(seed), {}).setdefault(sparsity, {})
+            if sparsity == "unpruned":
+                entry[kind] = value
+            else:
+                entry.setdefault(choice, {})[kind] = value
+            report["arm_seconds"][f"{seed}/{sparsity}/{choice or '-'}/{kind}"] = round(
+                time.perf_counter() - arm_started, 1
+            )
+            print(f"seed {seed} {sparsity} {choice} {kind}: {value:.2f} (recovery {seconds:.0f} s)", flush=True)
+            save()
+    save()
+    print(markdown(report, args))
 
 
 if __name__ == "__main__":
