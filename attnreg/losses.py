@@ -121,7 +121,7 @@ def admissible_keys(
 
 def _layer_key_counts(layer_mask: torch.Tensor, batch: int, queries: int, keys: int, causal: bool) -> torch.Tensor:
     """Keys per query row `[B, 1 or H, T]` (float32) that an SDPA mask (broadcastable to `[B, H, T, S]`, longer
-    key axes cut at S as SDPA cuts them) admits, and causality on top, as `hub.attention_scores` masks them."""
+    key axes cut at S as SDPA cuts them) admits, and causality on top, as `eager.attention_scores` masks them."""
     mask = layer_mask.reshape((1,) * (4 - layer_mask.dim()) + tuple(layer_mask.shape))[..., :keys]
     admitted = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
     if causal and queries > 1:
@@ -246,6 +246,9 @@ def check_prior(
     bf16) or be all zeros (row left out). `heads` must be head positions 0..H-1. The values cost a few
     reductions over the prior (and, on a GPU, one synchronization), nothing of the attention's size;
     `values=False` checks only the type, shape and heads (for a prior already checked this batch).
+    Under `torch.compile` the values are checked inside the graph (`torch._assert_async`: no graph break, no
+    synchronization), which raises a RuntimeError saying what is wrong but not in which row (a CUDA device-side
+    assert on a GPU); run the check eagerly (this function on the batch) to be told the row.
 
     Example:
         >>> check_prior(torch.tensor([[2, -1, 0]]), (1, 4, 3, 3))       # fine: returns None
@@ -274,7 +277,8 @@ def check_prior(
         return
     if prior.dim() == 2:
         low, high = torch.aminmax(prior)
-        if bool((low >= -1) & (high < keys)):
+        good = (low >= -1) & (high < keys)
+        if _values_hold(good, "a key index is outside 0..S-1, S the key count"):
             return
         b, q = _first_row((prior < -1) | (prior >= keys))
         raise IndexError(
@@ -284,7 +288,7 @@ def check_prior(
     sums = prior.sum(-1, dtype=torch.float64 if prior.dtype == torch.float64 else torch.float32)
     tolerance = max(1e-3, 2 * torch.finfo(prior.dtype).eps)
     bad = ~(prior.amin(-1) >= 0) | ~sums.isfinite() | (((sums - 1).abs() > tolerance) & (sums != 0))
-    if not bad.any():
+    if _values_hold(~bad.any(), "a row has a negative or non-finite entry, or sums to neither 1 nor 0"):
         return
     b, q = _first_row(bad)
     values = prior[b, q]
@@ -297,6 +301,16 @@ def check_prior(
     else:
         problem = f"sums to {sums[b, q].item():.6g}; rows must sum to 1 (within {tolerance:.2g}) or be all zeros"
     raise ValueError(f"prior: row (batch {b}, query {q}) {problem}")
+
+
+def _values_hold(good: torch.Tensor, problem: str) -> bool:
+    """Whether the 0-dim `good` is True, read eagerly; under `torch.compile` asserted inside the graph instead (a
+    data-dependent branch would break it) and taken as True, the assertion raising where it is not."""
+    if torch.compiler.is_compiling():
+        where = "checked under torch.compile; run attnreg.losses.check_prior on the batch eagerly to find the row"
+        torch._assert_async(good, f"prior: {problem} ({where})")
+        return True
+    return bool(good)
 
 
 def _check_heads(heads: Sequence[int], count: int) -> None:

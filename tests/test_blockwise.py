@@ -401,29 +401,55 @@ def test_heads_outside_the_layer_are_refused_not_read_as_another_head(heads):
         prior_cross_entropy(query, key, None, torch.zeros(B, T, dtype=torch.long), D**-0.5, heads)
 
 
-def test_the_kl_on_a_grouped_query_model_breaks_the_graph_only_at_the_prior_check():
-    """On a grouped-query model (Llama, 4 query heads sharing 2 key/value heads, padded rows) the blockwise entropy
-    traces as one graph (above) and the blockwise KL breaks it only where `check_prior` reads the prior's values once
-    per batch, outside the attention; the window's row count is not taken under the compiler."""
+def test_the_kl_and_the_entropy_on_a_grouped_query_model_trace_as_one_graph_and_the_prior_is_still_checked():
+    """On a grouped-query model (Llama, 4 query heads sharing 2 key/value heads, padded rows) a step with the blockwise
+    KL, and one with the blockwise entropy, trace as one graph each: `check_prior` asserts the prior's values inside
+    the graph instead of reading them (the `.item()` that broke it), and the window's row count is not taken under the
+    compiler. Compiled (through AOT autograd), the KL step equals the eager step in value and gradient on a good
+    prior and refuses a prior with a key index outside the keys, as the eager step does."""
     from attnreg import methods
 
     torch._dynamo.reset()
-    model = tiny_model("llama", head="classification")
-    assert model.config.num_key_value_heads < model.config.num_attention_heads
-    hub = attnreg.attach(model)
-    kl = methods.SyntaxPriorKL(heads={0: [1], 1: [2]})
-    kl.bind(model)
-    kl.start(10)
+    base = tiny_model("llama", head="classification")
+    assert base.config.num_key_value_heads < base.config.num_attention_heads
     batch = padded_batch()
-    batch["attnreg_prior"] = (torch.arange(batch["input_ids"].shape[1]) - 1).expand_as(batch["input_ids"])
+    prior = (torch.arange(batch["input_ids"].shape[1]) - 1).expand_as(batch["input_ids"])
+    batch["attnreg_prior"] = prior.masked_fill(batch["attention_mask"] == 0, -1)  # no row on a padded key
 
-    def step(batch):
-        with hub.capture(kl.layers, True, inputs=True) as record:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return logits.pow(2).mean() + kl.term(record, batch, 0)[0]
+    def regularized(term):
+        model = copy.deepcopy(base)
+        hub = attnreg.attach(model)
+        term.bind(model)
+        term.start(10)
 
-    explained = torch._dynamo.explain(step)(batch)
-    assert explained.graph_break_count >= 1
-    assert all(reason.user_stack[-1].name == "check_prior" for reason in explained.break_reasons), [
-        (reason.reason.splitlines()[0], reason.user_stack[-1].name) for reason in explained.break_reasons
-    ]
+        def step(batch):
+            with hub.capture(term.layers, True, inputs=True) as record:
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return logits.pow(2).mean() + term.term(record, batch, 0)[0]
+
+        return model, step
+
+    kl_model, kl_step = regularized(methods.SyntaxPriorKL(heads={0: [1], 1: [2]}))
+    for term in (methods.EntropyRegularizer(weight=0.1, mode="max"), None):
+        step = kl_step if term is None else regularized(term)[1]
+        explained = torch._dynamo.explain(step)(batch)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+    torch._dynamo.reset()
+    compiled = torch.compile(kl_step, backend="aot_eager", fullgraph=True)
+    values, grads = [], []
+    for run in (kl_step, compiled):
+        value = run(batch)
+        value.backward()
+        values.append(value.detach())
+        grads.append([parameter.grad.clone() for parameter in kl_model.parameters()])
+        kl_model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(values[0], values[1])
+    for eager, traced in zip(*grads, strict=True):
+        torch.testing.assert_close(eager, traced)
+    bad = dict(batch, attnreg_prior=batch["attnreg_prior"].clone())
+    bad["attnreg_prior"][1, 4] = batch["input_ids"].shape[1]  # one past the last key
+    with pytest.raises(IndexError, match=r"row \(batch 1, query 4\) has key index 9, outside 0\.\.8"):
+        kl_step(bad)
+    with pytest.raises(RuntimeError, match=r"prior: a key index is outside 0\.\.S-1.*under torch\.compile"):
+        compiled(bad)
