@@ -147,6 +147,11 @@ def check_sliceable(projection: nn.Module, output: bool) -> None:
         ...
         TypeError: torch.nn.modules.container.Sequential is neither an nn.Linear nor a Conv1D, bare or wrapped by LoRA
     """
+    if isinstance(getattr(projection, "original_module", None), nn.Module):
+        raise TypeError(
+            f"{tuner_name(projection)} holds a trainable copy of the projection (LoRA's modules_to_save), which head "
+            "removal does not slice; leave the attention projections out of modules_to_save"
+        )
     try:
         factors = lora_factors(projection)
     except NotImplementedError as error:

@@ -354,3 +354,113 @@ def test_protected_heads_count_their_key_value_groups_against_keep():
     gating = attnreg.methods.HeadGating(attnreg.methods.L1Gates(), fits)
     gating.bind(tiny_model("llama"), taken=set())
     assert gating.choose(1) == {0: [2, 3], 1: [0, 1, 2, 3]}
+
+
+# -- modules_to_save on an attention projection; a removal inside TRL's SFTTrainer with a LoRA peft_config --------
+@pytest.mark.parametrize("saved", ["k_proj", "o_proj"])
+def test_modules_to_save_on_a_projection_removal_slices_is_refused_before_anything_changes(saved):
+    """A full trainable copy of a projection (PEFT's `ModulesToSaveWrapper`) is not sliced: refused by name, the
+    model untouched; a copy of a module the removal does not touch (`lm_head`) is fine, equal to the gated model."""
+    model = lora_model("llama", targets=["q_proj", "v_proj"], modules_to_save=[saved])
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    refused = rf"layers\.0\.self_attn\.{saved}: peft\.utils\.other\.ModulesToSaveWrapper .*modules_to_save.*Nothing was"
+    with pytest.raises(TypeError, match=refused):
+        pruning.prune_heads(model.get_base_model(), {0: [0, 1]})
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
+    assert pruning.pruned_heads(model.get_base_model()) == {}
+    gating = attnreg.methods.HeadGating(attnreg.methods.L1Gates(), attnreg.methods.Removal(keep=6))
+    with pytest.raises(TypeError, match=rf"HeadGating: heads of layer 0 cannot be removed.*{saved}.*modules_to_save"):
+        gating.bind(model, taken=set())
+
+    model = lora_model("llama", modules_to_save=["lm_head"])
+    with torch.no_grad():  # the saved copy differs from the original: its path is the one that must run
+        model.get_base_model().lm_head.modules_to_save["default"].weight.mul_(1.5)
+    expected = logits(zeroed_reference(model, {0: [0, 1]}))
+    pruning.prune_heads(model.get_base_model(), {0: [0, 1]})
+    torch.testing.assert_close(logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_removal_inside_trl_sft_with_a_lora_peft_config_equals_the_gated_model_and_training_goes_on(
+    tmp_path, monkeypatch
+):
+    """`with_attnreg(trl.SFTTrainer)` with `peft_config` (LoRA on q/k/v/o, TRL's gradient checkpointing): at the
+    removal (step 2) the smaller model's logits equal the gated model's with the chosen heads' gates at zero
+    (1e-5), after the removal and after the gates fold; the two steps after train the smaller model's adapter."""
+    pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]')")
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    import trl
+    from test_trl import chat, rows, tokenizer
+
+    from attnreg.integrations.hf import with_attnreg
+    from attnreg.syntax import SyntaxCollator
+
+    tokens = tokenizer()
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    seen = {}
+    prune_heads, fold_gates = pruning.prune_heads, pruning.fold_gates
+
+    def gated_then_pruned(model, heads, *args, **kwargs):
+        hub, training = attnreg.hub_of(model), model.training
+        model.eval()
+        with torch.no_grad():
+            saved = {layer: hub.gate(layer).detach().clone() for layer in heads}
+            for layer, numbers in heads.items():
+                hub.gate(layer)[numbers] = 0.0
+            seen["gated"] = model(input_ids=prompt).logits
+            seen["gates"] = {layer: gate[heads[layer]].clone() for layer, gate in saved.items()}
+            for layer, gate in saved.items():
+                hub.gate(layer).copy_(gate)
+        report = prune_heads(model, heads, *args, **kwargs)
+        with torch.no_grad():
+            seen["pruned"] = model(input_ids=prompt).logits
+        model.train(training)
+        return report
+
+    def folded(model, *args, **kwargs):
+        fold_gates(model, *args, **kwargs)
+        training = model.training
+        with torch.no_grad():
+            if "folded" not in seen:  # the removal's fold
+                seen["folded"] = model.eval()(input_ids=prompt).logits
+                seen["lora"] = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+        model.train(training)
+
+    monkeypatch.setattr(pruning, "prune_heads", gated_then_pruned)
+    monkeypatch.setattr(pruning, "fold_gates", folded)
+    gating = attnreg.methods.HeadGating(
+        attnreg.methods.L1Gates(weight=0.5), attnreg.methods.Removal(keep=3, groups=True, after_steps=2)
+    )
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS["llama"])
+    arguments = trl.SFTConfig(
+        str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, use_cpu=True, bf16=False,
+        save_strategy="no", report_to=[], disable_tqdm=True, seed=0, dataset_kwargs={"skip_prepare_dataset": True},
+    )  # fmt: skip
+    trainer = with_attnreg(trl.SFTTrainer)(
+        model=tiny_model("llama", head="causal_lm", vocab=len(tokens)).train(),
+        args=arguments,
+        train_dataset=datasets.Dataset.from_list(rows(16)),
+        data_collator=SyntaxCollator(tokens, messages=chat, lm_labels=True, causal=True),
+        processing_class=tokens,
+        peft_config=config,
+        methods=[gating],
+    )
+    assert trainer.args.gradient_checkpointing  # TRL's default, on through the removal
+    trainer.train()
+    assert gating.pruned_at_step == 2 and trainer.state.global_step == 4
+    assert any(float(gate.abs().max()) > 0.01 for gate in seen["gates"].values())  # the gates zeroed were not shut
+    torch.testing.assert_close(seen["pruned"], seen["gated"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen["folded"], seen["gated"], rtol=1e-5, atol=1e-5)
+    base = trainer.model.get_base_model()
+    removed = gating.rounds[0].report.removed
+    assert sum(map(len, removed.values())) == 2 and not pruning.silenced_heads(base)  # one whole group of 2 heads
+    layer = next(layer for layer, heads in removed.items() if heads)
+    assert base.model.layers[layer].self_attn.q_proj.out_features == 16  # 2 heads of 8 left
+    adapters_fit_their_base(trainer.model)
+    now = {n: p.detach() for n, p in base.named_parameters() if "lora_" in n}  # the base the removal was given
+    assert now.keys() == seen["lora"].keys()
+    assert all(now[n].shape == seen["lora"][n].shape for n in now)  # the smaller model's adapter...
+    assert any(not torch.equal(now[n], seen["lora"][n]) for n in now)  # ...trained on after the removal
+    for parameter in (p for p in trainer.model.parameters() if p.requires_grad):
+        assert trainer.optimizer.state[parameter]["exp_avg"].shape == parameter.shape
