@@ -23,14 +23,13 @@ import warnings
 
 from attnreg import analysis, methods, schedules, syntax
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
-from attnreg.hub import AttentionHub, AttentionRecord, LayerInfo, attach, detach, hub_of
+from attnreg.hub import AttentionHub, attach, detach, hub_of
 from attnreg.methods.layerwise_lr import layerwise_param_groups
+from attnreg.records import AttentionRecord, LayerInfo
 
 _CALLBACKS = """AttentionDropoutSchedule AttentionLoss AttentionMonitor Distillation EntropyRegularizer FreezeLayers
 HeadGating HeadImportance LayerwiseLR MethodCallback SyntaxPriorKL"""
-LIGHTNING = dict.fromkeys(_CALLBACKS.split(), "attnreg.callbacks") | dict.fromkeys(
-    ["AttentionTerm", "AttnRegMixin"], "attnreg.mixin"
-)
+LIGHTNING = dict.fromkeys(_CALLBACKS.split(), "attnreg.callbacks") | {"AttnRegMixin": "attnreg.mixin"}
 """The Lightning adapter's names, loaded on first use: Lightning is an extra (`pip install 'attnreg[lightning]'`),
 and `import attnreg`, the Hugging Face `Trainer` and TRL need none."""
 
@@ -60,7 +59,6 @@ __all__ = [
     "AttentionLoss",
     "AttentionMonitor",
     "AttentionRecord",
-    "AttentionTerm",
     "AttnRegMixin",
     "Distillation",
     "EntropyRegularizer",
@@ -129,6 +127,8 @@ def __getattr__(name: str):
     """
     if name in LIGHTNING:
         return lightning_name(name)
+    if name == "AttentionTerm":  # the mixin's term of a function, now the method AttentionLoss
+        return methods.loss_term.renamed_term(f"attnreg.{name}")
     if name in MOVED:
         return importlib.import_module(f"attnreg.{name}")  # the module `attnreg/<name>.py` warns and redirects
     raise AttributeError(f"module 'attnreg' has no attribute {name!r}")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,42 +43,16 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from attnreg.compat import lightning_trainer
-from attnreg.hub import AttentionHub, AttentionRecord, attach, find_transformers_model
-from attnreg.methods import Method, Runner
+from attnreg.hub import AttentionHub, attach, find_transformers_model
+from attnreg.methods import AttentionLoss, Method, Runner
+from attnreg.methods.loss_term import TermFunction, renamed_term
 
-TermFunction = Callable[[AttentionRecord, Any], torch.Tensor]
 
-
-class AttentionTerm(Method):
-    """A loss term of a function: `fn(record, batch)` returns a scalar; `layers` are captured for it (None =
-    all), their probabilities, or with `inputs` what they received (`hub.capture(..., inputs=True)`).
-
-    Example:
-        >>> import lightning
-        >>> from attnreg.tiny import tiny_model
-        >>> class Module(AttnRegMixin, lightning.LightningModule):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.model = tiny_model("bert")
-        >>> module = Module()
-        >>> module.add_attnreg_term("spread", lambda probs, batch: probs[1].var(), layers=1)
-        >>> module.attnreg_terms["spread"]
-        AttentionTerm(name='spread', layers=(1,), inputs=False)
-    """
-
-    def __init__(self, name: str, fn: TermFunction, layers: int | Iterable[int] | None = (), inputs: bool = False):
-        super().__init__(name)
-        self.fn, self.layers, self.inputs = fn, layers, inputs
-
-    def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
-        super().bind(model, taken)
-        self.layers = None if self.layers is None else self.hub.resolve_layers(self.layers)
-
-    def term(self, record: AttentionRecord, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.fn(record, batch), {}
-
-    def __repr__(self) -> str:
-        return f"AttentionTerm(name={self.name!r}, layers={self.layers!r}, inputs={self.inputs!r})"
+def __getattr__(name: str) -> Any:
+    """`AttentionTerm`, the former name of a term of a function: `attnreg.methods.AttentionLoss`, with a warning."""
+    if name == "AttentionTerm":
+        return renamed_term(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def runner_of(module: nn.Module) -> Runner:
@@ -138,15 +112,28 @@ class AttnRegMixin:
     def add_attnreg_term(
         self, name: str, fn: TermFunction, layers: int | Iterable[int] | None = (), inputs: bool = False
     ) -> None:
-        """Add `fn(probs, batch)` to every training loss, logged as `attnreg/<name>`.
+        """Add `fn(probs, batch)` to every training loss, logged as `attnreg/<name>`: an
+        `attnreg.methods.AttentionLoss` on the module's runner (the callback `attnreg.AttentionLoss` is the same).
 
         `layers` are the attention layers `fn` reads from `probs` (None = all, () = none); with `inputs`,
         `fn` reads their `LayerInputs` instead (the layers stay on SDPA; see `attnreg.blockwise`).
+
+        Example:
+            >>> import lightning
+            >>> from attnreg.tiny import tiny_model
+            >>> class Module(AttnRegMixin, lightning.LightningModule):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.model = tiny_model("bert")
+            >>> module = Module()
+            >>> module.add_attnreg_term("spread", lambda probs, batch: probs[1].var(), layers=1)
+            >>> module.attnreg_terms["spread"]
+            AttentionLoss(name='spread', layers=(1,), weight=1.0, inputs=False)
         """
         runner = self.attnreg_runner
         if any(method.name == name for method in runner.methods):
             raise ValueError(f"an attnreg term named {name!r} is already registered on {type(self).__name__}")
-        runner.add(AttentionTerm(name, fn, layers, inputs))
+        runner.add(AttentionLoss(fn, name=name, layers=layers, inputs=inputs))
         runner.bind(self.attnreg_model)
 
     def remove_attnreg_term(self, name: str) -> None:

@@ -1,4 +1,5 @@
-"""AttnRegMixin and AttentionLoss inside real Lightning training."""
+"""AttnRegMixin and AttentionLoss (the one term of a function, also what `add_attnreg_term` makes) inside real
+Lightning training."""
 
 import copy
 
@@ -153,3 +154,66 @@ def test_mixin_wraps_an_inherited_training_step():
     assert torch.allclose(module.training_step(batch, 0), module.model(**batch).loss + 3.0)
     plain = PlainModule(module.model)
     assert torch.allclose(plain.training_step(batch, 0), module.model(**batch).loss)  # the base is untouched
+
+
+def test_a_term_of_a_function_reads_layer_inputs_blockwise_as_it_reads_probabilities():
+    """`add_attnreg_term(..., inputs=True)` builds an `AttentionLoss` that reads `LayerInputs` (the layer stays on SDPA:
+    the step's loss is the plain model's plus the term); its blockwise entropy equals the entropy of the probabilities
+    the materialized term reads."""
+    from attnreg import blockwise, losses
+
+    model = tiny_model("gpt2", head="classification", initializer_range=0.2)
+    batch = batches(1)[0]
+    mask = batch["attention_mask"]
+    values = {}
+
+    def from_inputs(record, batch):
+        values["blockwise"] = blockwise.attention_entropy(record[1], mask, causal=True)
+        return values["blockwise"].mean()
+
+    def from_probs(record, batch):
+        values["materialized"] = losses.attention_entropy(record[1], attention_mask=mask, causal=True)
+        assert isinstance(record[1], torch.Tensor)
+        return values["materialized"].mean()
+
+    for name, fn, inputs in (("blockwise", from_inputs, True), ("materialized", from_probs, False)):
+        module = Classifier(copy.deepcopy(model)).train()
+        module.add_attnreg_term(name, fn, layers=[1], inputs=inputs)
+        term = module.attnreg_terms[name]
+        assert isinstance(term, attnreg.methods.AttentionLoss) and term.inputs is inputs and term.layers == (1,)
+        loss = module.training_step(batch, 0)
+        if inputs:
+            torch.testing.assert_close(loss, module.model(**batch).loss + values[name].mean())
+    torch.testing.assert_close(values["blockwise"], values["materialized"], rtol=1e-5, atol=1e-6)
+    assert values["blockwise"].min().item() > 0.1
+
+
+OLD_NAME_FORMS = {
+    "from attnreg.mixin import AttentionTerm": "from attnreg.mixin import AttentionTerm as found",
+    "from attnreg import AttentionTerm": "from attnreg import AttentionTerm as found",
+    "attnreg.AttentionTerm": "import attnreg; found = attnreg.AttentionTerm",
+    "attnreg.mixin.AttentionTerm": "import attnreg.mixin; found = attnreg.mixin.AttentionTerm",
+}
+
+
+@pytest.mark.parametrize("form", sorted(OLD_NAME_FORMS))
+def test_the_former_attention_term_is_attention_loss_with_a_warning_a_user_sees(form):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()  # Python's default filters: a DeprecationWarning would not be shown
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)
+        exec(OLD_NAME_FORMS[form], namespace := {"__name__": "users_module"})
+    assert namespace["found"] is attnreg.methods.AttentionLoss
+    assert [w.category for w in caught] == [FutureWarning]
+    assert "AttentionTerm is deprecated: use attnreg.methods.AttentionLoss" in str(caught[0].message)
+    module = Classifier(tiny_model("bert", head="classification"))
+    module.add_attnreg_term("spread", lambda probs, batch: probs[0].var(), layers=0)
+    assert isinstance(module.attnreg_terms["spread"], namespace["found"])  # what the mixin makes is one
+
+
+def test_the_former_argument_order_is_refused_saying_the_new_one():
+    with pytest.raises(TypeError, match=r"got 'spread' \(AttentionTerm\(name, fn, \.\.\.\) is now AttentionLoss\(fn"):
+        attnreg.methods.AttentionLoss("spread", lambda probs, batch: probs[0].var())
+    assert "AttentionTerm" not in attnreg.__all__ and "AttentionTerm" not in vars(attnreg.mixin)

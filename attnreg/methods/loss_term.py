@@ -1,5 +1,6 @@
 """Loss terms on captured attention: `LossTerm`, the base of every method that adds a term to the loss
-(entropy regularization, the syntax-prior KL, head gates), and `AttentionLoss`, a term of your own.
+(entropy regularization, the syntax-prior KL, head gates) and of a term class of your own, and `AttentionLoss`,
+the one way to make a term of a function.
 
 Each term names the layers it captures (`layers`) and, given the captured attention of one training
 micro-batch, returns its weighted term and the figures to log (`<name>/layer<l>`). Heads are given by
@@ -30,8 +31,8 @@ import torch
 from torch import nn
 
 from attnreg.heads import head_numbers, pruned_heads
-from attnreg.hub import AttentionRecord, LayerInputs
 from attnreg.methods.base import Method
+from attnreg.records import AttentionRecord, LayerInputs
 from attnreg.schedules import ScheduleLike, as_schedule
 
 Heads = Iterable[int] | Mapping[int, Iterable[int]] | None
@@ -170,8 +171,10 @@ class LossTerm(Method):
 
 
 class AttentionLoss(LossTerm):
-    """`weight * fn(probs, batch)`: `fn` receives the captured attention of `layers` (None = all) as an
-    `AttentionRecord` and the batch, and returns a scalar tensor.
+    """A term of your own from a function: `weight * fn(record, batch)`, where `fn` receives what was captured of
+    `layers` (None = all, () = none) as an `AttentionRecord` (their probabilities, or with `inputs=True` what they
+    received, `LayerInputs`: the layers stay on SDPA, see `attnreg.blockwise`) and the batch, and returns a scalar
+    tensor. A class of your own subclasses `LossTerm` instead (or `Method` for more than a loss term).
 
     Example:
         >>> import torch, attnreg
@@ -182,8 +185,8 @@ class AttentionLoss(LossTerm):
         >>> with attnreg.attach(model).capture(spread.layers) as probs:     # probabilities, materialized
         ...     _ = model(input_ids=torch.tensor([[5, 6, 7]]))
         >>> value, _ = spread.term(probs, {}, step=0)
-        >>> value.shape, value.requires_grad
-        (torch.Size([]), True)
+        >>> value.shape, value.requires_grad, spread
+        (torch.Size([]), True, AttentionLoss(name='spread', layers=(0,), weight=0.1, inputs=False))
     """
 
     default_name = "attention_loss"
@@ -194,12 +197,41 @@ class AttentionLoss(LossTerm):
         name: str | None = None,
         layers: int | Iterable[int] | None = None,
         weight: ScheduleLike = 1.0,
+        inputs: bool = False,
     ) -> None:
+        if not callable(fn):
+            hint = " (AttentionTerm(name, fn, ...) is now AttentionLoss(fn, name=name, ...))" if callable(name) else ""
+            raise TypeError(f"AttentionLoss: fn must be a function fn(record, batch) -> scalar, got {fn!r}{hint}")
         super().__init__(name, layers, weight)
-        self.fn = fn
+        self.fn, self.inputs = fn, bool(inputs)
 
     def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.fn(probs, batch), {}
+
+    def __repr__(self) -> str:
+        settings = f"name={self.name!r}, layers={self.layers!r}, weight={self.weight!r}, inputs={self.inputs!r}"
+        return f"AttentionLoss({settings})"
+
+
+def renamed_term(old: str) -> type[AttentionLoss]:
+    """`AttentionLoss`, with a FutureWarning (shown by Python's default filters) that its former name `old` (the
+    mixin's `AttentionTerm`) is deprecated; called by the modules that exported the old name.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     term = renamed_term("attnreg.AttentionTerm")
+        >>> term is AttentionLoss, caught[0].category.__name__
+        (True, 'FutureWarning')
+    """
+    warnings.warn(
+        f"{old} is deprecated: use attnreg.methods.AttentionLoss (the same term of a function; AttentionTerm(name, fn, "
+        "layers, inputs) is AttentionLoss(fn, name=name, layers=layers, inputs=inputs))",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return AttentionLoss
 
 
 def check_weight(weight: Any, what: str) -> float:
