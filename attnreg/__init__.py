@@ -23,8 +23,9 @@ import warnings
 
 from attnreg import analysis, methods, schedules, syntax
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
-from attnreg.hub import AttentionHub, AttentionRecord, LayerInfo, attach, detach, hub_of
+from attnreg.hub import AttentionHub, attach, detach, hub_of
 from attnreg.methods.layerwise_lr import layerwise_param_groups
+from attnreg.records import AttentionRecord, LayerInfo
 
 _CALLBACKS = """AttentionDropoutSchedule AttentionLoss AttentionMonitor Distillation EntropyRegularizer FreezeLayers
 HeadGating HeadImportance LayerwiseLR MethodCallback SyntaxPriorKL"""

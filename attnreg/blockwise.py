@@ -9,7 +9,7 @@ the admissible keys of row i):
 
 gpt-oss's sinks (a learned logit `c_h` per head, `sinks`) join each row's softmax as one more outcome that no value
 reads: `LSE_i` then includes `exp(c_h)`, so `p_ij` sum to `1 - p_i,sink` (eager gpt-oss's `output_attentions`,
-`hub.attention_probabilities(..., sinks=)`), the parent NLL is `LSE_i - s_i,parent` as before, and the entropy is
+`eager.attention_probabilities(..., sinks=)`), the parent NLL is `LSE_i - s_i,parent` as before, and the entropy is
 that of the whole softmax, the sink one outcome among the keys: `H_i = LSE_i - sum_j p_ij s_ij - p_i,sink c_h`
 (normalized by the log of the admitted keys plus one, so a head uniform over keys and sink reads 1; the materialized
 `attnreg.losses.attention_entropy(..., sink=True)` counts the missing mass `1 - sum_j p_ij` the same way). The sink
@@ -18,7 +18,7 @@ logits get their gradient (`dH/dc = -p_sink (c - E)`, `dNLL/dc = p_sink`), summe
 `query` and `key` are what transformers hands an attention function (`[B, H, T, d]`, `[B, H_kv, S, d]`,
 after RoPE; grouped-query keys not yet repeated), and `attention_mask` its SDPA mask (boolean, additive
 float, or None); `causal` masks the keys after each query on top of it. Values and gradients equal the
-materialized path (`hub.attention_probabilities` then `attnreg.losses`, 1e-5 in float32, bf16 tolerance
+materialized path (`attnreg.eager.attention_probabilities` then `attnreg.losses`, 1e-5 in float32, bf16 tolerance
 under autocast); `tests/test_blockwise.py` compares them on every family.
 
 Design (what the measurements kept):
@@ -64,7 +64,6 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from attnreg.hub import LayerInputs
 from attnreg.losses import (
     HeadReduction,
     check_prior,
@@ -72,6 +71,7 @@ from attnreg.losses import (
     mean_row_entropy,
     reachable_prior,
 )
+from attnreg.records import LayerInputs
 
 BLOCK_SIZE = 128
 
@@ -183,9 +183,9 @@ def attention_entropy(
         >>> with attnreg.attach(model).capture(layers=[1], inputs=True) as record:
         ...     _ = model(**batch)
         >>> entropy = attention_entropy(record[1], batch["attention_mask"], causal=True, normalize=True)
-        >>> from attnreg import hub, losses                                # the materialized path agrees
+        >>> from attnreg import eager, losses                              # the materialized path agrees
         >>> inputs = record[1]
-        >>> probs = hub.attention_probabilities(inputs.query, inputs.key, None, inputs.scaling, causal=True)
+        >>> probs = eager.attention_probabilities(inputs.query, inputs.key, None, inputs.scaling, causal=True)
         >>> torch.allclose(entropy, losses.attention_entropy(probs, causal=True, normalize=True), atol=1e-6)
         True
     """

@@ -4,6 +4,10 @@
 transformers, switches the model to it and returns an `AttentionHub`. Layers nobody asked about run
 through transformers' own SDPA function unchanged; only captured layers materialize probabilities.
 
+Here: the hub, its gate hook, `attach`/`detach` and the guards they install. The attention function it registers
+and its maths are `attnreg.eager`'s, the keywords it accepts `attnreg.keywords`'s, what a capture records
+`attnreg.records`'s, the temperature folds `attnreg.folding`'s; the names users take from here are re-exported.
+
 Example:
     >>> import torch, attnreg
     >>> from transformers import BertConfig, BertModel
@@ -20,452 +24,44 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attnreg import compat
+from attnreg.eager import attention_forward, attention_probabilities
 from attnreg.families import Family, UnsupportedModelError, detect_family
-from attnreg.weights import lora_factors, out_features, scale_input_columns, scale_output_rows
+from attnreg.folding import check_foldable, fold_temperature
+from attnreg.keywords import HEAD_MASK_MESSAGE
+from attnreg.records import GATE, STATE_ATTR, TEMPERATURE, AttentionRecord, LayerInfo, LayerInputs, LayerState
+from attnreg.unwrap import transformers_model
+from attnreg.weights import scale_input_columns
+
+__all__ = [
+    "GATE",
+    "IMPLEMENTATION",
+    "TEMPERATURE",
+    "AttentionHub",
+    "AttentionRecord",
+    "LayerInfo",
+    "LayerInputs",
+    "attach",
+    "attention_probabilities",
+    "detach",
+    "gate_values",
+    "hub_of",
+    "is_attached",
+    "transformers_model",
+    "unfolded_saves",
+]
 
 IMPLEMENTATION = "attnreg"
-GATE = "attnreg_gate"
-TEMPERATURE = "attnreg_temperature"
 _HUB_ATTR = "_attnreg_hub"
-_STATE_ATTR = "_attnreg_state"
 _SAVE_ATTR = "save_pretrained"
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    """Head layout of one attention layer, read from the current weight shapes.
-
-    Example:
-        >>> import attnreg
-        >>> from attnreg.tiny import tiny_model
-        >>> model = tiny_model("llama"); hub = attach(model)       # 4 query heads sharing 2 key/value heads
-        >>> hub.layers[1]
-        LayerInfo(index=1, num_heads=4, num_kv_heads=2, head_dim=8)
-        >>> _ = attnreg.methods.pruning.prune_heads(model, {1: [0, 1]})     # one whole key/value group
-        >>> hub.layers[1]
-        LayerInfo(index=1, num_heads=2, num_kv_heads=1, head_dim=8)
-    """
-
-    index: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-@dataclass
-class _LayerState:
-    """Per-layer settings, kept on the attention module so they follow `copy.deepcopy`.
-
-    `pending_recomputes` counts captured forwards of a gradient-checkpointed block whose backward has
-    not yet replayed them: the replay must take the same (materialized) path, or torch's checkpoint
-    finds different saved tensors.
-    """
-
-    index: int
-    block: nn.Module
-    dropout: float | None = None
-    records: list[AttentionRecord] = field(default_factory=list)
-    pending_recomputes: int = 0
-    projection: nn.Module | None = None  # the output projection that carries the hub's hooks
-
-    def replaying_capture(self) -> bool:
-        return self.pending_recomputes > 0 and compat.graph_task_id() != -1
-
-    def will_be_replayed(self) -> bool:
-        return bool(getattr(self.block, "gradient_checkpointing", False)) and self.block.training
-
-
-@dataclass(frozen=True)
-class LayerInputs:
-    """What one layer's attention function received, for losses that recompute what they need in blocks
-    (`attnreg.blockwise`): `query` `[B, H, T, d]` (divided by the hub's temperature), `key` `[B, H_kv, S, d]`
-    (after RoPE, grouped-query heads not repeated), the SDPA `attention_mask`, `scaling`, `causal`, Gemma 2's logit
-    `softcap`, and gpt-oss's per-head sink logits `sinks` `[H]` (divided by the hub's temperature, as the query is),
-    which join each row's softmax denominator as one more outcome.
-
-    Example:
-        >>> from attnreg.tiny import tiny_model
-        >>> hub = attach(tiny_model("llama"))                     # 4 query heads, 2 key/value heads of 8
-        >>> with hub.capture(layers=[0], inputs=True) as record:
-        ...     _ = hub.model(input_ids=torch.tensor([[5, 6, 7]]))
-        >>> inputs = record[0]
-        >>> inputs.query.shape, inputs.key.shape, inputs.scaling, inputs.causal, inputs.requires_grad
-        (torch.Size([1, 4, 3, 8]), torch.Size([1, 2, 3, 8]), 0.35355, True, True)
-    """
-
-    query: torch.Tensor
-    key: torch.Tensor
-    attention_mask: torch.Tensor | None
-    scaling: float
-    causal: bool
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-
-    @property
-    def requires_grad(self) -> bool:
-        return self.query.requires_grad or self.key.requires_grad
-
-
-class AttentionRecord(Mapping[int, torch.Tensor]):
-    """Attention probabilities `[B, H, T, S]` recorded by `AttentionHub.capture`, keyed by layer (or,
-    with `inputs=True`, each layer's `LayerInputs`, while the layer itself runs on SDPA).
-
-    `record[layer]` is the latest forward pass; `record.calls(layer)` lists every pass in the block
-    (generation makes one per token).
-
-    Example:
-        >>> from attnreg.tiny import tiny_model
-        >>> model = tiny_model("gpt2"); hub = attach(model)
-        >>> with hub.capture(layers=[1]) as record:
-        ...     _ = model(input_ids=torch.tensor([[5, 6, 7]]))
-        ...     _ = model(input_ids=torch.tensor([[8, 9]]))
-        >>> list(record), record[1].shape, [tuple(probs.shape) for probs in record.calls(1)]   # the latest; every pass
-        ([1], torch.Size([1, 4, 2, 2]), [(1, 4, 3, 3), (1, 4, 2, 2)])
-        >>> record[0]
-        Traceback (most recent call last):
-        ...
-        KeyError: 'no attention recorded for layer 0; captured layers: [1], with a forward pass so far: [1]'
-    """
-
-    def __init__(
-        self, layers: tuple[int, ...], require_grad: bool = False, inputs: bool = False, skip_no_grad: bool = False
-    ) -> None:
-        self.layers = layers
-        self.require_grad = require_grad
-        self.inputs = inputs
-        self.skip_no_grad = skip_no_grad
-        self.skipped = 0  # forwards under torch.no_grad() left out (skip_no_grad)
-        self._calls: dict[int, list[torch.Tensor | LayerInputs]] = {}
-        self._masks: dict[int, list[torch.Tensor | None]] = {}
-        self._sinks: dict[int, list[bool]] = {}
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        if layer not in self._calls:
-            raise KeyError(
-                f"no attention recorded for layer {layer}; captured layers: {list(self.layers)}, "
-                f"with a forward pass so far: {sorted(self._calls)}"
-                + (f"; {self.skipped} forwards under torch.no_grad() were left out" if self.skipped else "")
-            )
-        return self._calls[layer][-1]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(sorted(self._calls))
-
-    def __len__(self) -> int:
-        return len(self._calls)
-
-    def calls(self, layer: int) -> list[torch.Tensor]:
-        return list(self._calls.get(layer, []))
-
-    def attention_mask(self, layer: int, call: int = -1) -> torch.Tensor | None:
-        """The SDPA mask `layer` received on its latest pass (`call`: the one of `calls(layer)`), None where SDPA
-        needed none: the keys each query row may see, sliding windows included, for
-        `attnreg.losses.attention_entropy(..., layer_mask=)`.
-
-        Example:
-            >>> from attnreg.tiny import tiny_model
-            >>> hub = attach(tiny_model("gpt2"))
-            >>> with hub.capture(layers=[0]) as record:
-            ...     _ = hub.model(input_ids=torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[1, 1, 0]]))
-            >>> record.attention_mask(0).shape
-            torch.Size([1, 1, 3, 3])
-        """
-        captured = self[layer] if call == -1 else self._calls[layer][call]
-        return captured.attention_mask if isinstance(captured, LayerInputs) else self._masks[layer][call]
-
-    def has_sink(self, layer: int, call: int = -1) -> bool:
-        """Whether `layer`'s softmax had a sink logit per head on its latest pass (`call`: the one of `calls(layer)`):
-        gpt-oss's, where the recorded rows sum to less than 1, the sink taking the rest. Pass it on as
-        `attnreg.losses.attention_entropy(..., sink=)`, which then counts the sink as one more outcome.
-
-        Example:
-            >>> from attnreg.tiny import tiny_model
-            >>> hub = attach(tiny_model("gpt_oss"))
-            >>> with hub.capture(layers=[0]) as record:
-            ...     _ = hub.model(input_ids=torch.tensor([[5, 6, 7]]))
-            >>> record.has_sink(0), bool((record[0].sum(-1) < 1).all())
-            (True, True)
-        """
-        captured = self[layer] if call == -1 else self._calls[layer][call]
-        return captured.sinks is not None if isinstance(captured, LayerInputs) else self._sinks[layer][call]
-
-    def _add(
-        self,
-        state: _LayerState,
-        probs: torch.Tensor | LayerInputs,
-        attention_mask: torch.Tensor | None = None,
-        sink: bool = False,
-    ) -> None:
-        if not probs.requires_grad:
-            reentrant = state.will_be_replayed() and not torch.is_grad_enabled()
-            if self.skip_no_grad and not reentrant and not torch.is_grad_enabled():
-                self.skipped += 1  # a forward no loss is meant for (a trainer's extra no-grad metrics pass)
-                return
-            if reentrant or self.require_grad:
-                raise RuntimeError(
-                    f"attention of layer {state.index} was computed without autograd, so a loss on it would do "
-                    "nothing. "
-                    + (
-                        "The model uses gradient checkpointing with use_reentrant=True, whose first forward runs "
-                        "under no_grad: enable it with gradient_checkpointing_kwargs={'use_reentrant': False}."
-                        if reentrant
-                        else "The forward pass ran under torch.no_grad() (or the model's weights are frozen)."
-                    )
-                )
-        self._calls.setdefault(state.index, []).append(probs)
-        self._masks.setdefault(state.index, []).append(attention_mask)
-        self._sinks.setdefault(state.index, []).append(sink)
-
-
-def attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The registered "attnreg" attention function (see transformers' AttentionInterface).
-
-    Example:
-        >>> from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        >>> from attnreg.tiny import tiny_model
-        >>> hub = attach(tiny_model("bert")); ALL_ATTENTION_FUNCTIONS["attnreg"] is attention_forward
-        True
-        >>> query = key = value = torch.randn(1, 4, 3, 8)                    # [batch, heads, tokens, head_dim]
-        >>> with hub.capture(layers=[0]) as probs:                          # layer 0 captured, layer 1 on SDPA
-        ...     captured, weights = attention_forward(hub.attention(0), query, key, value, None)
-        >>> plain, none = attention_forward(hub.attention(1), query, key, value, None)
-        >>> captured.shape, weights is probs[0], none, torch.allclose(captured, plain, atol=1e-6)
-        (torch.Size([1, 3, 4, 8]), True, None, True)
-        >>> attention_forward(hub.attention(1), query, key, value, None, alibi=torch.zeros(4))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        NotImplementedError: attnreg's attention function received keyword argument(s) ['alibi'] from \
-BertSelfAttention (model_type='bert'), which it does not implement: ...
-    """
-    softcap = kwargs.pop("softcap", None)  # Gemma 2's tanh cap of the logits: implemented on every path
-    sinks = kwargs.pop("s_aux", None)  # gpt-oss's learned sink logit per head: implemented on every path
-    if kwargs.keys() - IGNORED_KWARGS:
-        _check_kwargs(module, kwargs)
-    if softcap is not None and sinks is not None:  # no model has both: whether the cap applies to the sink is unknown
-        raise NotImplementedError(
-            f"attnreg's attention function received both softcap and s_aux from {type(module).__name__} "
-            f"(model_type={getattr(getattr(module, 'config', None), 'model_type', None)!r}): it implements each alone"
-        )
-    state: _LayerState | None = getattr(module, _STATE_ATTR, None)
-    if state is None and sinks is not None:  # an untracked module with sinks: SDPA would drop them, run eager
-        causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        probs = attention_probabilities(query, key, attention_mask, scaling, causal=causal, sinks=sinks)
-        return _attend(probs, value, dropout), probs
-    if state is None:  # an attention module the hub does not track (cross-attention, say)
-        capped = {} if softcap is None else {"softcap": softcap}  # SDPA refuses it, as without attnreg
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **capped,
-            **kwargs,
-        )
-    if module.training and state.dropout is not None:
-        dropout = state.dropout
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    temperature = getattr(module, TEMPERATURE, None)
-    replay = state.replaying_capture()
-    probs_records = [record for record in state.records if not record.inputs]
-    if state.records and len(probs_records) < len(state.records):
-        causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-        scaled = query if temperature is None else query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
-        scaled_sinks = sinks if sinks is None or temperature is None else sinks / temperature.to(sinks.dtype)
-        inputs = LayerInputs(scaled, key, attention_mask, scaling, causal, softcap, scaled_sinks)
-        for record in state.records:
-            if record.inputs:
-                record._add(state, inputs)
-    if not probs_records and not replay and softcap is None and sinks is None:  # else eager: SDPA has neither
-        if temperature is not None:
-            query = query / temperature.to(query.dtype).reshape(1, -1, 1, 1)
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-    probs = attention_probabilities(query, key, attention_mask, scaling, temperature, causal, softcap, sinks)
-    if replay:
-        state.pending_recomputes -= 1
-    else:
-        for record in probs_records:
-            record._add(state, probs, attention_mask, sink=sinks is not None)
-        if torch.is_grad_enabled() and state.will_be_replayed():
-            state.pending_recomputes += 1
-    return _attend(probs, value, dropout), probs
-
-
-def _attend(probs: torch.Tensor, value: torch.Tensor, dropout: float) -> torch.Tensor:
-    """Eager attention's output `[B, T, H, d]` from its probabilities (dropout after them, as eager applies it)."""
-    weights = F.dropout(probs, p=dropout, training=True) if dropout > 0 else probs
-    output = torch.matmul(weights, repeat_kv(value, probs.shape[1] // value.shape[1]))
-    return output.transpose(1, 2).contiguous()
-
-
-OWN_BATCH_KEYS = "attnreg_"  # attnreg's own batch entries (a syntax prior) that a model's **kwargs pass along
-IGNORED_KWARGS = frozenset(
-    {
-        # Read by the layer or the model, or meaningless for the attention function itself:
-        "position_ids",  # positions are already in q and k (RoPE); packed sequences are in the mask
-        "use_cache",
-        "cache_position",
-        "output_attentions",
-        "output_hidden_states",
-        "output_router_logits",
-        "return_dict",
-        "num_items_in_batch",  # the Trainer's loss normaliser, forwarded by every **kwargs
-        "token_type_ids",
-        "encoder_hidden_states",  # BERT-like self-attention: keys and values are already projected
-        "encoder_attention_mask",
-        "seq_idx",
-        # The 4-D mask the layer receives already admits only the window (SDPA ignores the keyword too).
-        "sliding_window",
-        # Flash-attention varlen metadata: SDPA ignores it, the mask carries packed sequences.
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-        "deterministic",  # ModernBERT's flash-attention determinism flag
-    }
-)
-"""Keyword arguments an attention function may receive and ignore: every path of the hub (SDPA hand-off,
-capture, blockwise inputs) computes what eager attention computes without them. Two more are implemented on every
-path: `softcap` (Gemma 2) and `s_aux` (gpt-oss's sinks). Any other keyword with a value (`position_bias`, `alibi`,
-a typo) is refused by `attention_forward`, naming it."""
-
-
-def _check_kwargs(module: nn.Module, kwargs: dict) -> None:
-    """Raise for a keyword argument the hub does not implement (a `None` value is accepted: nothing to do)."""
-    if kwargs.get("head_mask") is not None:
-        raise ValueError(_HEAD_MASK_MESSAGE)
-    unknown = sorted(
-        key
-        for key in kwargs.keys() - IGNORED_KWARGS
-        if kwargs[key] is not None and key != "head_mask" and not key.startswith(OWN_BATCH_KEYS)
-    )
-    if unknown:
-        model_type = getattr(getattr(module, "config", None), "model_type", None)
-        raise NotImplementedError(
-            f"attnreg's attention function received keyword argument(s) {unknown} from {type(module).__name__} "
-            f"(model_type={model_type!r}), which it does not implement: capture, temperature, gates and the "
-            "blockwise losses would compute something else than the model. Known keywords it may ignore: "
-            f"{sorted(IGNORED_KWARGS)}."
-        )
-
-
-def attention_probabilities(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    temperature: torch.Tensor | None = None,
-    causal: bool = False,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Softmax attention `[B, H, T, S]` as eager attention computes it, before dropout.
-
-    `attention_mask` is transformers' SDPA mask: boolean (True = attend), additive float, or None;
-    with `causal` and more than one query, keys after each query's position are masked as well. `sinks`
-    (gpt-oss, `[H]`) is a logit per head joining each row's softmax as one more column, divided by `temperature`
-    as the others are and dropped after the softmax, as eager gpt-oss does: the rows sum to less than 1.
-
-    Example:
-        >>> query = key = torch.zeros(1, 1, 3, 4)                           # equal scores everywhere
-        >>> attention_probabilities(query, key, None, scaling=0.5, causal=True)[0, 0]
-        tensor([[1.0000, 0.0000, 0.0000],
-                [0.5000, 0.5000, 0.0000],
-                [0.3333, 0.3333, 0.3333]])
-        >>> attention_probabilities(query, key, None, scaling=0.5, causal=True, sinks=torch.zeros(1))[0, 0]
-        tensor([[0.5000, 0.0000, 0.0000],
-                [0.3333, 0.3333, 0.0000],
-                [0.2500, 0.2500, 0.2500]])
-    """
-    scores = attention_scores(query, key, attention_mask, scaling, temperature, causal, softcap)
-    if sinks is None:
-        return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1)
-    if temperature is not None:
-        sink = sink / temperature.to(scores.dtype).reshape(1, -1, 1, 1)
-    scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
-    return F.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
-
-
-def attention_scores(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    temperature: torch.Tensor | None = None,
-    causal: bool = False,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Masked attention logits `[B, H, T, S]` (masked keys at the dtype's minimum): what the softmax of
-    `attention_probabilities` takes. Arguments as there.
-
-    Example:
-        >>> query, key = torch.ones(1, 2, 2, 4), torch.ones(1, 1, 2, 4)     # 2 query heads share 1 key head
-        >>> mask = torch.tensor([True, False])                               # the second key is masked
-        >>> scores = attention_scores(query, key, mask, scaling=0.5, temperature=torch.tensor([1.0, 2.0]))
-        >>> scores.shape, scores[0, :, 0, 0].tolist()                        # q.k = 4, times 0.5, / temperature
-        (torch.Size([1, 2, 2, 2]), [2.0, 1.0])
-        >>> bool((scores[..., 1] == torch.finfo(torch.float32).min).all())
-        True
-    """
-    key = repeat_kv(key, query.shape[1] // key.shape[1])
-    # In-place from here on: none of these ops needs its input for backward, and every attention-sized
-    # allocation costs time at long sequence lengths.
-    scores = torch.matmul(query, key.transpose(2, 3)).mul_(scaling)
-    if temperature is not None:
-        scores.div_(temperature.to(scores.dtype).reshape(-1, 1, 1))
-    if softcap is not None:  # Gemma 2: logits capped with tanh before the mask
-        scores = torch.tanh(scores / softcap) * softcap  # not in place: tanh keeps its output for backward
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores.masked_fill_(attention_mask.logical_not(), torch.finfo(scores.dtype).min)
-        else:
-            scores.add_(attention_mask)
-    if causal and query.shape[2] > 1:  # on top of a mask too: keys after the query stay masked
-        later = causal_mask(query.shape[2], key.shape[2], query.device).logical_not()
-        scores.masked_fill_(later, torch.finfo(scores.dtype).min)
-    return scores
-
-
-def causal_mask(queries: int, keys: int, device: torch.device | None = None) -> torch.Tensor:
-    """`[T, S]` True where query i may attend to key j: j <= i + S - T (the queries are the last T).
-
-    Example:
-        >>> causal_mask(2, 3).int()                                    # 2 new queries after 1 cached key
-        tensor([[1, 1, 0],
-                [1, 1, 1]], dtype=torch.int32)
-    """
-    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
 class AttentionHub:
@@ -657,8 +253,8 @@ class AttentionHub:
         return self.family.attention_dropout(self.attention(layer))
 
     # -- internals ------------------------------------------------------------------------------
-    def _state(self, layer: int) -> _LayerState:
-        return getattr(self.attention(layer), _STATE_ATTR)
+    def _state(self, layer: int) -> LayerState:
+        return getattr(self.attention(layer), STATE_ATTR)
 
     def _check_active(self) -> None:
         _check_implementation(self.model)
@@ -710,12 +306,6 @@ def gate_values(gate: nn.Parameter | nn.Module, deterministic: bool = False) -> 
         gate.train(training)
 
 
-_HEAD_MASK_MESSAGE = (
-    "head_mask= was passed to a model under attnreg. transformers v5 no longer supports head masks and "
-    "silently ignores them; use hub.gate(layer) (set a head's gate to 0 to mask it) or attnreg.methods.pruning."
-)
-
-
 def _check_implementation(model: nn.Module) -> None:
     current = compat.attention_implementation(model.config)
     if current != IMPLEMENTATION:
@@ -728,7 +318,7 @@ def _check_implementation(model: nn.Module) -> None:
 
 def _model_forward_guard(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs.get("head_mask") is not None:
-        raise ValueError(_HEAD_MASK_MESSAGE)
+        raise ValueError(HEAD_MASK_MESSAGE)
     _check_implementation(model)
     _follow_projections(getattr(model, _HUB_ATTR))
 
@@ -739,7 +329,7 @@ def _follow_projections(hub: AttentionHub) -> None:
     adapter's path too), or the plain projection put back by `merge_and_unload()`."""
     family, model = hub.family, hub.model
     for layer in range(hub.num_layers):
-        state: _LayerState = getattr(family.attention_module(model, layer), _STATE_ATTR)
+        state: LayerState = getattr(family.attention_module(model, layer), STATE_ATTR)
         current = family.out_projection(model, layer)
         if current is state.projection:
             continue
@@ -808,7 +398,7 @@ def attach(model: nn.Module) -> AttentionHub:
         block = family.blocks(model)[layer]
         attention = family.attention_module(model, layer)
         projection = family.out_projection(model, layer)
-        setattr(attention, _STATE_ATTR, _LayerState(index=layer, block=block, projection=projection))
+        setattr(attention, STATE_ATTR, LayerState(index=layer, block=block, projection=projection))
         projection.register_forward_pre_hook(_GateHook(attention))
     model.set_attn_implementation(IMPLEMENTATION)
     # A plain attribute, not a submodule: it is not in the state_dict and follows copy.deepcopy.
@@ -851,20 +441,6 @@ def hub_of(model: nn.Module) -> AttentionHub:
     return hub
 
 
-def transformers_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT model (`PeftModel.get_base_model()`), or `model` itself.
-
-    Example:
-        >>> from attnreg.tiny import tiny_model
-        >>> model = tiny_model("bert")
-        >>> transformers_model(model) is model
-        True
-    """
-    if not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
-        return model.get_base_model()
-    return model
-
-
 def detach(model: nn.Module) -> None:
     """Undo `attach`: fold gates into the output projections and temperatures into the query
     projections (or the query norms, and the sink logits where a family has them; so outputs do not change),
@@ -884,34 +460,17 @@ def detach(model: nn.Module) -> None:
     hub = hub_of(model)
     model, family = hub.model, hub.family
     _follow_projections(hub)
-    _check_temperatures_fold(hub)
-    for layer in range(hub.num_layers):  # an adapter whose weights cannot take a fold: refused before any change
-        lora_factors(family.out_projection(model, layer))
-        if getattr(hub.attention(layer), TEMPERATURE, None) is not None:
-            attention = hub.attention(layer)
-            lora_factors(attention.get_submodule(family.query or family.fused_qkv))
+    check_foldable(model, family)  # a temperature or an adapter that cannot take a fold: refused before any change
     for layer in range(hub.num_layers):
         hub.remove_gate(layer)
         projection = family.out_projection(model, layer)
         _remove_hooks(compat.forward_pre_hooks(projection), lambda hook: isinstance(hook, _GateHook))
         attention = hub.attention(layer)
-        head_dim = family.head_dim(attention)
         temperature = getattr(attention, TEMPERATURE, None)
         if temperature is not None:
-            norm = family.query_norm_module(attention)
-            if norm is not None:  # the norm would undo a scale of the projection: fold into it
-                _fold_into_norm(norm, family.query_norm_offset, temperature, family.norm_layout)
-            else:
-                query = attention.get_submodule(family.query or family.fused_qkv)
-                scale = torch.ones(out_features(query))
-                scale[family.query_rows(attention)] = (1.0 / temperature.cpu()).repeat_interleave(head_dim)
-                scale_output_rows(query, scale)
-            sink = family.sink_parameter(attention)
-            if sink is not None:  # the temperature divides the sink logits too
-                with torch.no_grad():
-                    sink.copy_(sink.double().div(temperature.double().to(sink.device)).to(sink.dtype))
+            fold_temperature(family, attention, temperature)
             delattr(attention, TEMPERATURE)
-        delattr(attention, _STATE_ATTR)
+        delattr(attention, STATE_ATTR)
     _remove_hooks(
         compat.forward_pre_hooks(model),
         lambda hook: hook is _model_forward_guard,
@@ -921,48 +480,6 @@ def detach(model: nn.Module) -> None:
     object.__delattr__(model, _HUB_ATTR)
     model.__dict__.pop(_SAVE_ATTR, None)
     model.set_attn_implementation(hub.previous_implementation)
-
-
-def _fold_into_norm(norm: nn.Module, offset: float, temperature: torch.Tensor, layout: str) -> None:
-    """Divide what `norm` returns, head by head, by `temperature`: its weight enters as `offset + weight`, its bias
-    (if any) adds. A norm shared by the heads (`Family.norm_layout` "shared") takes the first value (all are equal,
-    `_check_temperatures_fold`); a per-head norm (one module per head in `norms`, or weights `[H, head_dim]`) and
-    a whole-width one (weights `[H * head_dim]`, normalised before the weight) one value per head."""
-    temperature = temperature.detach().double().cpu()
-    if layout == "shared":
-        pairs = [(norm, None, temperature[0] if temperature.numel() else torch.tensor(1.0))]
-    elif isinstance(getattr(norm, "norms", None), nn.ModuleList):
-        pairs = [(module, None, value) for module, value in zip(norm.norms, temperature, strict=True)]
-    else:
-        pairs = [(norm, head, value) for head, value in enumerate(temperature)]
-    heads = temperature.numel()
-    with torch.no_grad():
-        for module, head, value in pairs:
-            for name, tensor_offset in (("weight", offset), ("bias", 0.0)):
-                tensor = getattr(module, name, None)
-                if tensor is None:
-                    continue
-                part = tensor if head is None else tensor.view(heads, -1)[head]
-                part.copy_((part.double() + tensor_offset).div(value.item()).sub(tensor_offset).to(part.dtype))
-
-
-def _check_temperatures_fold(hub: AttentionHub) -> None:
-    """Raise, before anything changes, where a temperature cannot be folded into the weights: a family whose
-    query norm is shared by the heads (`Family.query_norm`) takes only one temperature per layer."""
-    for layer in range(hub.num_layers):
-        temperature = hub.temperature(layer)
-        norm = hub.family.query_norm_module(hub.attention(layer))
-        shared = norm is not None and hub.family.norm_layout == "shared"
-        if temperature is None or not shared:
-            continue
-        if temperature.numel() and not torch.all(temperature == temperature[0]):
-            raise ValueError(
-                f"cannot fold the temperatures of layer {layer} ({temperature.tolist()}) into the weights of "
-                f"{type(hub.model).__name__} (model_type={hub.model.config.model_type!r}): its query norm "
-                f"({hub.family.query_norm}) renormalises each head's query with one weight shared by all heads, so "
-                "only a temperature equal on every head of a layer folds. Nothing was changed; set one value per "
-                "layer, or remove them with hub.set_temperature(None)."
-            )
 
 
 def _save_pretrained_folded(model: nn.Module, *args, **kwargs):
@@ -1009,33 +526,3 @@ def _remove_hooks(hooks: dict, is_ours, flags: dict | None = None) -> None:
         del hooks[key]
         if flags is not None:
             flags.pop(key, None)
-
-
-def find_transformers_model(module: nn.Module) -> PreTrainedModel:
-    """The one transformers model inside `module` (or `module` itself), for any LightningModule.
-
-    `module.attnreg_model_attr`, where set, names the attribute to use when there is more than one.
-
-    Example:
-        >>> from attnreg.app.modules import SequenceClassifier
-        >>> from attnreg.tiny import tiny_model
-        >>> classifier = SequenceClassifier(tiny_model("bert", head="classification"))
-        >>> find_transformers_model(classifier) is classifier.model
-        True
-    """
-    attr = getattr(module, "attnreg_model_attr", None)
-    if attr is not None:
-        return getattr(module, attr)
-    found = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
-    outermost = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
-    if len(outermost) != 1:
-        names = [type(m).__name__ for m in outermost] or "none"
-        raise RuntimeError(
-            f"{type(module).__name__} must hold exactly one transformers model for attnreg, found {names}; "
-            "set `attnreg_model_attr` to the attribute that holds the one to use"
-        )
-    return outermost[0]
-
-
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())

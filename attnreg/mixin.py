@@ -43,9 +43,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from attnreg.compat import lightning_trainer
-from attnreg.hub import AttentionHub, attach, find_transformers_model
+from attnreg.hub import AttentionHub, attach
 from attnreg.methods import AttentionLoss, Method, Runner
 from attnreg.methods.loss_term import TermFunction, renamed_term
+from attnreg.unwrap import find_transformers_model
 
 
 def __getattr__(name: str) -> Any:

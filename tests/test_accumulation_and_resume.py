@@ -97,8 +97,8 @@ def test_a_nan_in_the_inputs_gives_a_nan_loss_on_both_paths(dtype, bad, causal):
     key[0, 1, 2, 3] = bad  # one token's key of one key/value head
     query, key = query.to(dtype), key.to(dtype)
     mask = torch.ones(2, 6, dtype=torch.long)
-    inputs = attnreg.hub.LayerInputs(query, key, None, 8**-0.5, causal)
-    probs = attnreg.hub.attention_probabilities(query, key, None, 8**-0.5, causal=causal)
+    inputs = attnreg.records.LayerInputs(query, key, None, 8**-0.5, causal)
+    probs = attnreg.eager.attention_probabilities(query, key, None, 8**-0.5, causal=causal)
     parents = torch.tensor([[1, 0, 1, 1, 3, 3], [-1, 0, 0, 2, 2, 4]])
     if causal:
         parents = torch.tensor([[-1, 0, 1, 1, 3, 3], [-1, 0, 0, 2, 2, 4]])

@@ -576,7 +576,7 @@ def test_blockwise_path_never_builds_attention_maps(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("attention was materialized")
 
-    monkeypatch.setattr(attnreg.hub, "attention_probabilities", refuse)
+    monkeypatch.setattr(attnreg.eager, "attention_probabilities", refuse)
     tokens = analyze(model, tokenizer, batches, blockwise=True, block_size=4).tokens
     assert tokens == 2 * (33 - 9)
     with pytest.raises(AssertionError, match="materialized"):

@@ -10,7 +10,7 @@ from conftest import FAMILIES, main_output, padded_batch
 
 import attnreg
 from attnreg.blockwise import prior_cross_entropy, row_entropy
-from attnreg.hub import attention_probabilities
+from attnreg.eager import attention_probabilities
 from attnreg.losses import row_entropy as materialized_entropy
 from attnreg.tiny import tiny_model
 

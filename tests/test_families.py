@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoModel, BertModel
 
 import attnreg
 from attnreg.blockwise import prior_cross_entropy, row_entropy
+from attnreg.eager import attention_forward
 from attnreg.families import FAMILIES, REFUSED, UnsupportedModelError, detect_family
-from attnreg.hub import attention_forward
 from attnreg.losses import row_entropy as materialized_entropy
 from attnreg.methods.pruning import load_pruned, prune_heads, save_pruned
 from attnreg.tiny import model_from_config, tiny_config

@@ -8,6 +8,7 @@ import torch
 from conftest import DECODERS, eager_copy, main_output, padded_batch
 
 import attnreg
+from attnreg.eager import attention_forward
 from attnreg.tiny import tiny_model
 
 
@@ -315,7 +316,7 @@ def test_an_untracked_module_with_sinks_runs_eager_gpt_oss_math():
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     additive = torch.zeros(1, 1, 5, 5).masked_fill(~causal, torch.finfo(torch.float32).min)
     expected, expected_weights = gpt_oss_eager(module, query, key, value, additive, scaling=0.3)
-    output, weights = attnreg.hub.attention_forward(module, query, key, value, causal, scaling=0.3, s_aux=module.sinks)
+    output, weights = attention_forward(module, query, key, value, causal, scaling=0.3, s_aux=module.sinks)
     torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-6)
 

@@ -12,6 +12,11 @@ APP = ("attnreg.app",)
 CORE = [
     "families.py",
     "weights.py",
+    "unwrap.py",
+    "records.py",
+    "keywords.py",
+    "eager.py",
+    "folding.py",
     "hub.py",
     "heads.py",
     "losses.py",

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 import attnreg
 from attnreg.callbacks.pruning import HeadGating, HeadImportance
-from attnreg.hub import GATE
 from attnreg.methods import HardConcreteGates, L1Gates, Removal, pruning
+from attnreg.records import GATE
 from attnreg.schedules import Constant, Warmup
 from attnreg.tiny import tiny_model
 

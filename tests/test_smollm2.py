@@ -79,7 +79,7 @@ def test_idle_attnreg_changes_nothing_on_the_pretrained_model(smollm2):
     assert tokens[0, len(PROMPT)] == ROME  # the real weights, dequantized right
     model = copy.deepcopy(smollm2)
     hub = attnreg.attach(model)
-    assert hub.layers[LAYER] == attnreg.hub.LayerInfo(LAYER, 9, 3, 64)
+    assert hub.layers[LAYER] == attnreg.records.LayerInfo(LAYER, 9, 3, 64)
     assert (logits(model, batch()) - expected).abs().max() <= 1e-5
     assert torch.equal(greedy(model), tokens)
 
@@ -131,7 +131,7 @@ def test_removing_a_key_value_group_equals_silencing_it_and_generates_alike(smol
     assert (removed - logits(smollm2, batch())).abs().max() > 1e-2  # the group did matter
     assert torch.equal(greedy(pruned), greedy(gated))
     pruned_hub = attnreg.attach(pruned)
-    assert pruned_hub.layers[LAYER] == attnreg.hub.LayerInfo(LAYER, 6, 2, 64)
+    assert pruned_hub.layers[LAYER] == attnreg.records.LayerInfo(LAYER, 6, 2, 64)
     assert (logits(pruned, batch()) - removed).abs().max() <= 1e-5
 
 

@@ -8,7 +8,7 @@ keys, `hub.capture(layers=[l], inputs=True)`, the inputs of `attnreg.blockwise`'
 of the forward this holds one block's scores and probabilities (a few `B x H x block_size x T` floats) and,
 with gold trees, one layer's word attention `[B, H, W, W]` (W: the words of a sentence).
 
-The probabilities are `hub.attention_probabilities`'s: scores `q k^T * scaling` (grouped-query keys shared
+The probabilities are `attnreg.eager.attention_probabilities`'s: scores `q k^T * scaling` (grouped-query keys shared
 by their query heads, the hub's temperature already in `q`), Gemma 2's logit softcap, the layer's own mask
 (boolean or additive: padding and sliding windows as the layer received them) and, for a causal layer, the
 keys after each query on top (masked only where a block's diagonal edge reaches); softmax in float32. A causal
@@ -28,7 +28,7 @@ Example:
     >>> kinds = torch.zeros(1, 5, 3, dtype=torch.bool)                  # `TokenKinds.masks`: no specials here
     >>> sums, rows = block_statistics(record[0], kinds, batch["attention_mask"], block_size=2)
     >>> from attnreg.analysis import attention_statistics              # the materialized path agrees
-    >>> from attnreg.hub import attention_probabilities
+    >>> from attnreg.eager import attention_probabilities
     >>> probs = attention_probabilities(record[0].query, record[0].key, None, record[0].scaling, causal=True)
     >>> expected, counted = attention_statistics(probs, kinds, batch["attention_mask"], causal=True)
     >>> torch.allclose(sums, expected), torch.equal(rows, counted)
@@ -44,7 +44,8 @@ from typing import NamedTuple
 import torch
 
 from attnreg.analysis.heads import ATTENTION_STATISTICS
-from attnreg.hub import AttentionHub, LayerInputs
+from attnreg.hub import AttentionHub
+from attnreg.records import LayerInputs
 
 BLOCK_SIZE = 128
 """Query rows per block (as `attnreg.blockwise`): memory on top of the forward is a few B x H x 128 x T floats."""
@@ -59,7 +60,7 @@ class AttentionBlock(NamedTuple):
     then every key up to causality), and each row's `entropy` `[B, H, r]` in nats.
 
     Example:
-        >>> from attnreg.hub import LayerInputs
+        >>> from attnreg.records import LayerInputs
         >>> inputs = LayerInputs(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), None, 0.5, causal=True)
         >>> block = next(attention_blocks(inputs, block_size=2))          # equal scores: uniform over the prefix
         >>> block.rows, block.probs[0, 0], block.entropy[0, 0], block.admissible
@@ -82,7 +83,8 @@ def attention_blocks(inputs: LayerInputs, block_size: int = BLOCK_SIZE) -> Itera
 
     Example:
         >>> query, key = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 5, 4)   # 2 query heads share 1 key head
-        >>> from attnreg.hub import LayerInputs, attention_probabilities
+        >>> from attnreg.eager import attention_probabilities
+        >>> from attnreg.records import LayerInputs
         >>> inputs = LayerInputs(query, key, None, scaling=0.5, causal=True)
         >>> rows = torch.cat([torch.nn.functional.pad(block.probs, (0, 5 - block.probs.shape[-1]))
         ...                   for block in attention_blocks(inputs, block_size=2)], dim=2)
@@ -171,7 +173,7 @@ def block_statistics(
 
     Example:
         >>> from attnreg.analysis import ATTENTION_STATISTICS
-        >>> from attnreg.hub import LayerInputs
+        >>> from attnreg.records import LayerInputs
         >>> inputs = LayerInputs(torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 4, 8), None, 0.35, causal=True)
         >>> sums, rows = block_statistics(inputs, torch.zeros(1, 4, 3, dtype=torch.bool), block_size=3)
         >>> means = sums / rows                                            # [H, K]: uniform causal heads
@@ -188,7 +190,8 @@ def block_word_attention(inputs: LayerInputs, membership: torch.Tensor, block_si
 
     Example:
         >>> from attnreg.analysis import batch_word_attention
-        >>> from attnreg.hub import LayerInputs, attention_probabilities
+        >>> from attnreg.eager import attention_probabilities
+        >>> from attnreg.records import LayerInputs
         >>> query, key = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
         >>> membership = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])  # 2 words, 1 special
         >>> blocks = block_word_attention(LayerInputs(query, key, None, 0.35, False), membership, block_size=3)
@@ -210,7 +213,7 @@ def reduce_layer(
     `block_word_attention` (None without `membership`).
 
     Example:
-        >>> from attnreg.hub import LayerInputs
+        >>> from attnreg.records import LayerInputs
         >>> inputs = LayerInputs(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), None, 0.35, causal=False)
         >>> membership = torch.eye(4)[None, :, :3]                          # tokens 0-2 are words 0-2
         >>> sums, rows, words = reduce_layer(inputs, torch.zeros(1, 4, 3, dtype=torch.bool), None, membership)

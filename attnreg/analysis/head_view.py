@@ -54,7 +54,8 @@ from attnreg.analysis.dependencies import predicted_heads
 from attnreg.analysis.heads import STATISTICS
 from attnreg.analysis.runner import analyze
 from attnreg.heads import head_numbers, pruned_heads, silenced_heads
-from attnreg.hub import LayerInputs, attach
+from attnreg.hub import attach
+from attnreg.records import LayerInputs
 from attnreg.syntax.align import align_offsets
 from attnreg.syntax.trees import Sentence
 
@@ -81,7 +82,8 @@ def head_arcs(
     keys a causal query can see read key 0 with weight 0.
 
     Example:
-        >>> from attnreg.hub import LayerInputs, attention_probabilities
+        >>> from attnreg.eager import attention_probabilities
+        >>> from attnreg.records import LayerInputs
         >>> query, key = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)   # 4 query heads share 2 key heads
         >>> inputs = LayerInputs(query, key, None, scaling=0.35, causal=True)
         >>> keys, weights, received = head_arcs(inputs, top_k=2, block_size=4)

@@ -48,7 +48,8 @@ from attnreg.analysis.heads import HeadRoles, HeadStatistics, RoleThresholds, To
 from attnreg.analysis.representations import TokenSimilarity
 from attnreg.analysis.vocabulary import check_tokenizer
 from attnreg.heads import head_numbers, pruned_heads
-from attnreg.hub import AttentionHub, LayerInputs, attach
+from attnreg.hub import AttentionHub, attach
+from attnreg.records import LayerInputs
 from attnreg.syntax.align import align_offsets
 from attnreg.syntax.trees import Sentence
 

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from attnreg.app.decoder_evaluation import decoder_head_report, generation_speed, greedy_continuations, perplexity
 from attnreg.app.evaluation import accuracy, head_report, layer_entropy, pruning_report
 from attnreg.app.settings import attnreg_settings, needs_of
-from attnreg.hub import transformers_model
+from attnreg.unwrap import transformers_model
 
 
 def describe_run(cfg: DictConfig, model: PreTrainedModel, trainer: L.Trainer, choices: Mapping[str, Any]) -> str:

@@ -39,9 +39,9 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim.lr_scheduler import LambdaLR
 
 from attnreg.compat import callback_state_key, lightning_rewrap
-from attnreg.hub import find_transformers_model
 from attnreg.methods import Loop, Method, Runner
 from attnreg.mixin import require_mixin, runner_of
+from attnreg.unwrap import find_transformers_model
 
 
 class MethodCallback(L.Callback):

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from attnreg.heads import head_numbers, pruned_heads
-from attnreg.hub import AttentionRecord, LayerInputs
 from attnreg.methods.base import Method
+from attnreg.records import AttentionRecord, LayerInputs
 from attnreg.schedules import ScheduleLike, as_schedule
 
 Heads = Iterable[int] | Mapping[int, Iterable[int]] | None

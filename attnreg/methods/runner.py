@@ -48,10 +48,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from attnreg.hub import AttentionRecord, attach, detach, is_attached
+from attnreg.hub import attach, detach, is_attached
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.pruning.checkpoints import model_structure, restore_structure
 from attnreg.methods.pruning.saving import restore_saved_pruning, write_spec
+from attnreg.records import AttentionRecord
 
 STRUCTURE_FILE = "attnreg_structure.json"
 """The model's structure in a checkpoint folder (`Runner.save_structure`)."""

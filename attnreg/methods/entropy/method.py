@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from attnreg import blockwise
-from attnreg.hub import AttentionRecord
 from attnreg.losses import EntropyMode, admissible_keys, attention_entropy, entropy_penalty
 from attnreg.methods.loss_term import Heads, LossTerm
+from attnreg.records import AttentionRecord
 from attnreg.schedules import ScheduleLike
 
 

@@ -43,8 +43,10 @@ from typing import Any
 from torch import nn
 
 from attnreg.families import detect_family
-from attnreg.hub import GATE, find_transformers_model, is_attached
+from attnreg.hub import is_attached
 from attnreg.methods.pruning import gate_parameters
+from attnreg.records import GATE
+from attnreg.unwrap import find_transformers_model
 
 EMBEDDINGS = "embeddings"
 HEAD = "head"

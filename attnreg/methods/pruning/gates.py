@@ -10,8 +10,9 @@ from torch import nn
 
 from attnreg import weights
 from attnreg.families import detect_family
-from attnreg.hub import GATE, AttentionHub, gate_values, hub_of
+from attnreg.hub import AttentionHub, gate_values, hub_of
 from attnreg.methods.pruning.optimizer_state import _as_list, drop_from_optimizer
+from attnreg.records import GATE
 
 FOLDED = "_attnreg_folded_gates"  # on the transformers model: {layer: gate values folded into its output projection}
 

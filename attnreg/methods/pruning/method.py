@@ -53,10 +53,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from attnreg.hub import AttentionHub, AttentionRecord, attach
+from attnreg.hub import AttentionHub, attach
 from attnreg.methods import pruning
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.loss_term import check_weight
+from attnreg.records import AttentionRecord
 from attnreg.schedules import ScheduleLike, as_schedule
 
 Milestones = Sequence[tuple[float, int]]

@@ -16,10 +16,11 @@ from torch import nn
 from attnreg import weights
 from attnreg.families import Family, detect_family
 from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
-from attnreg.hub import GATE, TEMPERATURE, attach
+from attnreg.hub import attach
 from attnreg.methods.pruning.checkpoints import FOLDED_GATES, restore_pruning
 from attnreg.methods.pruning.gates import _hub_or_none, _transformers_model, make_hard_concrete
 from attnreg.methods.pruning.surgery import prune_heads, silence_heads
+from attnreg.records import GATE, TEMPERATURE
 
 SPEC_FILE = "attnreg_pruning.json"
 _SAVE_PARAMETERS = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters

@@ -26,9 +26,9 @@ from attnreg.heads import (
     pruned_heads,
     silenced_heads,
 )
-from attnreg.hub import GATE, TEMPERATURE
 from attnreg.methods.pruning.gates import _hub_or_none, _remove_gate
 from attnreg.methods.pruning.optimizer_state import _as_list, drop_from_optimizer, slice_optimizer_state
+from attnreg.records import GATE, TEMPERATURE
 
 SILENCE = "attnreg_silence"
 """Name of the non-persistent buffer (1 per head, 0 where silenced) on an output projection with silenced heads."""

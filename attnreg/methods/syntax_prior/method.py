@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from attnreg import blockwise
-from attnreg.hub import AttentionRecord
 from attnreg.losses import HeadReduction, causal_prior, prior_kl, reachable_prior
 from attnreg.methods.loss_term import Heads, LossTerm
+from attnreg.records import AttentionRecord
 from attnreg.schedules import ScheduleLike
 from attnreg.syntax.data import PRIOR_KEY
 from attnreg.syntax.priors import SyntaxPrior
