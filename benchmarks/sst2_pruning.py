@@ -50,13 +50,13 @@ tokens), scored on the whole GLUE dev set (872 sentences). Same seed for every f
   recovery fine-tune of `--retrain-epochs` at `--retrain-lr` (warmup then decay); the unpruned baseline
   gets the same extra fine-tune as a control (its `heads_removed` 0 point), so the gap is paired.
 - (f) `distill`: (a)'s heads removed physically from the baseline at each of `--distill-removed`, then
-  recovery by knowledge distillation from the unpruned baseline (the teacher) on `--distill` further
-  SST-2 training sentences, used without their labels (`attnreg.app.modules.Distiller`): the KL divergence
-  of the softened class distributions (temperature `--distill-temperature`) plus `--distill-hidden` x
-  the mean squared difference of every layer's hidden states (TinyBERT's and CoFi's layer
-  distillation; the pruned model keeps the teacher's layers, so layer l matches layer l). No gold
-  label is seen after the baseline's fine-tune. The unpruned baseline is distilled the same way as a
-  control (from itself: only dropout makes the two differ).
+  recovery by knowledge distillation from the unpruned baseline (the teacher) on `--distill` further SST-2
+  training sentences, used without their labels (`attnreg.Distillation` on
+  `SequenceClassifier(labels=False)`): the KL divergence of the softened class distributions (temperature
+  `--distill-temperature`) plus `--distill-hidden` x the mean squared difference of every layer's hidden
+  states (TinyBERT's and CoFi's layer distillation; the pruned model keeps the teacher's layers, so layer l
+  matches layer l). No gold label is seen after the baseline's fine-tune. The unpruned baseline is distilled
+  the same way as a control (from itself: only dropout makes the two differ).
 
 Targets (issue 4, after Michel et al.): at least 40% of heads removed within 0.5 accuracy points of the
 unpruned model, and at least 50% within 1 point. (a) and (b) prune the very same fine-tuned weights
@@ -82,7 +82,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import attnreg
 from attnreg.app.datasets import read_sst2
 from attnreg.app.models import minilm_directory
-from attnreg.app.modules import Distiller, SequenceClassifier
+from attnreg.app.modules import SequenceClassifier
 from attnreg.callbacks.pruning import HeadGating
 from attnreg.methods import HardConcreteGates, L1Gates, Removal, pruning
 from attnreg.schedules import Constant, Warmup
@@ -179,8 +179,10 @@ def fine_tune(
         model = AutoModelForSequenceClassification.from_pretrained(directory, num_labels=2)
     model.train()  # from_pretrained returns eval mode, and Lightning 2.6 keeps it
     options = dict(lr=args.lr if lr is None else lr, weight_decay=0.01, warmup=0.1)
-    if teacher is not None:
-        module = Distiller(model, teacher, args.distill_temperature, args.distill_hidden, **options)
+    if teacher is not None:  # distillation alone: the term is the loss, no label is read
+        module = SequenceClassifier(model, labels=False, **options)
+        teacher = copy.deepcopy(teacher)  # Distillation freezes its teacher; the baseline is copied again later
+        callbacks = [*callbacks, attnreg.Distillation(teacher, args.distill_temperature, args.distill_hidden)]
     elif gate_lr is not None:
         module = GatedClassifier(model, gate_lr, **options)
     else:
@@ -227,7 +229,7 @@ def run(args) -> dict:
     train = batches(tokenizer, [sentences[i] for i in train_ids], [labels[i] for i in train_ids], args.batch)
     unused = sorted(set(range(len(sentences))) - set(chosen))
     distill_ids = random.Random(5678).sample(unused, args.distill) if "distill" in args.methods else []
-    unlabeled = [0] * len(distill_ids)  # placeholders: Distiller never reads the labels
+    unlabeled = [0] * len(distill_ids)  # placeholders: labels=False never reads them
     distill = batches(tokenizer, [sentences[i] for i in distill_ids], unlabeled, args.batch)
     importance = batches(tokenizer, [sentences[i] for i in importance_ids], [labels[i] for i in importance_ids], 64)
     dev_sentences, dev_labels = read_sst2(DATA, "dev")
@@ -350,7 +352,7 @@ class GateTrace(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         hub = attnreg.hub_of(pl_module.model)
         gates = [gate for layer in sorted(hub.gates) if (gate := pruning.hard_concrete(hub, layer)) is not None]
-        if self.gating.pruned or not gates:
+        if self.gating.method.pruned or not gates:
             return
         with torch.no_grad():
             deterministic = torch.cat([gate.deterministic() for gate in gates])
@@ -358,14 +360,14 @@ class GateTrace(L.Callback):
         kept = deterministic.sort(descending=True).values[: self.keep]
         self.last = {
             "step": trainer.global_step,
-            "target": round(self.gating.target(trainer.global_step), 2),
+            "target": round(self.gating.method.target(trainer.global_step), 2),
             "expected": round(expected, 2),
             "open": int((deterministic > 0).sum()),
             "above_half": int((deterministic > 0.5).sum()),
             "at_one": int((deterministic >= 1).sum()),
             "kept_min": round(float(kept.min()), 4),
             "kept_mean": round(float(kept.mean()), 4),
-            "lambdas": [round(value, 4) for value in self.gating.lambdas.tolist()],
+            "lambdas": [round(value, 4) for value in self.gating.method.lambdas.tolist()],
         }
         if trainer.global_step % 10 == 0 and self.last not in self.trace:
             self.trace.append(self.last)
@@ -419,7 +421,7 @@ def progressive_run(directory: Path, train: list[dict], args, total: int, dev_ac
     runs["progressive"] = {
         "train_s": seconds,
         "milestones": PROGRESSIVE,
-        "rounds": [{"step": r.step, "heads": sum(h for h, _ in r.report.heads.values())} for r in gating.rounds],
+        "rounds": [{"step": r.step, "heads": sum(h for h, _ in r.report.heads.values())} for r in gating.method.rounds],
         "heads_per_layer": [info.num_heads for info in attnreg.attach(pruned).layers],
     }
     points.append(point("progressive", total, total - heads_of(pruned), acc))

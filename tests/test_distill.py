@@ -1,5 +1,6 @@
 """Distillation after pruning: the loss against references written another way, padding left out,
-clear errors, and a real fit of a pruned model that moves it back toward the unpruned teacher."""
+clear errors, and a real fit of a pruned model, without labels (the app's module with `labels=False` and the
+`Distillation` callback), that moves it back toward the unpruned teacher."""
 
 import copy
 from types import SimpleNamespace
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from conftest import fit, padded_batch
 
-from attnreg.app.modules import Distiller
+import attnreg
+from attnreg.app.modules import SequenceClassifier
 from attnreg.methods import pruning
 from attnreg.methods.distillation import distillation_loss
 from attnreg.tiny import tiny_model
@@ -79,12 +81,11 @@ def test_bad_input_gets_a_clear_error(change, message):
         distillation_loss(**arguments)
 
 
-def test_distiller_refuses_bad_options_before_training():
-    model = tiny_model("bert", head="classification")
-    with pytest.raises(ValueError, match="temperature must be positive"):
-        Distiller(copy.deepcopy(model), teacher=model, temperature=-1.0)
-    with pytest.raises(ValueError, match="teacher is the model being trained"):
-        Distiller(model, teacher=model)
+def test_training_without_labels_and_without_a_term_is_refused_before_the_first_step():
+    module = SequenceClassifier(tiny_model("bert", head="classification"), labels=False)
+    with pytest.raises(ValueError, match=r"labels=False\) trains on attnreg's terms alone.*attnreg.Distillation"):
+        fit(module, [padded_batch(batch=2, length=6, seed=0)])
+    assert module.global_step == 0
 
 
 @pytest.mark.parametrize(("family", "hidden_weight"), [("bert", 1.0), ("llama", 0.0)])
@@ -107,9 +108,14 @@ def test_fit_pulls_a_pruned_model_back_toward_its_unpruned_teacher(family, hidde
         return distillation_loss(ours, theirs, probe["attention_mask"], hidden_weight=hidden_weight).item()
 
     before = gap()
-    module = Distiller(student, teacher=teacher, hidden_weight=hidden_weight, lr=3e-3, warmup=0.0)
-    fit(module, unlabeled)
+    labeled = copy.deepcopy(student)
+    module = SequenceClassifier(student, labels=False, lr=3e-3, warmup=0.0)
+    fit(module, unlabeled, [attnreg.Distillation(teacher, hidden_weight=hidden_weight)])
     assert gap() < 0.85 * before  # unlabeled batches, no labels anywhere: only the teacher teaches
+    with_labels = [{**batch, "labels": torch.randint(0, 2, (4,))} for batch in unlabeled]  # read by nothing
+    again = SequenceClassifier(labeled, labels=False, lr=3e-3, warmup=0.0)
+    fit(again, with_labels, [attnreg.Distillation(teacher, hidden_weight=hidden_weight)])
+    torch.testing.assert_close(labeled.state_dict(), student.state_dict(), rtol=0, atol=0)
     assert all(torch.equal(value, teacher.state_dict()[name]) for name, value in teacher_weights.items())
     assert not any(name.startswith("teacher") for name in module.state_dict())
     optimized = {id(p) for group in module.optimizers().optimizer.param_groups for p in group["params"]}

@@ -1,5 +1,7 @@
 """Ready LightningModules for fine-tuning any supported transformers model: sentence classification
-(`SequenceClassifier`), causal LM and chat SFT (`CausalLM`), distillation (`Distiller`).
+(`SequenceClassifier`), causal LM and chat SFT (`CausalLM`). With `labels=False` they train on attnreg's terms
+alone: distillation from a teacher without labels is `SequenceClassifier(student, labels=False)` with the callback
+`attnreg.Distillation(teacher)`.
 
 They use `attnreg.AttnRegMixin`, so every attnreg callback works with them; batch keys that
 the model's forward does not take (the syntax prior, say) are kept away from the model.
@@ -32,7 +34,6 @@ import torchmetrics
 from transformers import PreTrainedModel, get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from attnreg.hub import is_attached
-from attnreg.methods.distillation import check_distillation, distillation_loss
 from attnreg.methods.pruning import gate_parameters
 from attnreg.mixin import AttnRegMixin
 
@@ -47,11 +48,18 @@ class FineTuner(AttnRegMixin, L.LightningModule):
     (`HeadGating`) get a group of their own, named "gates", at `gate_lr` (default `lr`; gates usually need a far
     larger one) without weight decay. Subclasses add their validation.
 
+    `labels=False` trains on attnreg's terms alone, the model's own loss left out: the training batches' labels are
+    not read (they need none), and a fit without a term is refused. With `attnreg.Distillation(teacher)` that is
+    distillation from unlabeled text; validation still scores against the labels.
+
     Example:
         >>> from attnreg.tiny import tiny_model
         >>> module = FineTuner(tiny_model("llama", head="causal_lm"), lr=1e-3)
         >>> module({"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([[2, 5, 6, 3]])}).loss.ndim
         0
+        >>> module = FineTuner(tiny_model("llama", head="causal_lm"), labels=False)
+        >>> module.training_step({"input_ids": torch.tensor([[2, 5, 6, 3]])}, 0)    # no label, no loss of its own
+        tensor(0.)
     """
 
     def __init__(
@@ -62,15 +70,16 @@ class FineTuner(AttnRegMixin, L.LightningModule):
         warmup: float = 0.1,
         gate_lr: float | None = None,
         schedule: str = "linear",
+        labels: bool = True,
     ):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"module.schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-        self.schedule = schedule
+        self.schedule, self.labels = schedule, labels
         self.model = model.train()  # from_pretrained returns eval mode, and Lightning keeps submodules' modes
         self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
         self.gate_lr = lr if gate_lr is None else gate_lr
-        self.save_hyperparameters(ignore=["model", "teacher"])  # modules, not hyperparameters (Distiller's teacher)
+        self.save_hyperparameters(ignore=["model"])  # a module, not a hyperparameter
         self._inputs = set(inspect.signature(model.forward).parameters)
         if "kwargs" in self._inputs:  # a PEFT model's forward passes **kwargs on to the base model's
             base = getattr(model, "get_base_model", lambda: model)()
@@ -84,9 +93,20 @@ class FineTuner(AttnRegMixin, L.LightningModule):
         return self.model(**self.model_inputs(batch))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if not self.labels:  # the terms are the loss (added by AttnRegMixin); the forward is what they read
+            output = self.model(**{key: value for key, value in self.model_inputs(batch).items() if key != "labels"})
+            return output.logits.new_zeros(())
         loss = self(batch).loss
         self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
         return loss
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if not self.labels and not self.attnreg_runner.terms:
+            raise ValueError(
+                f"{type(self).__name__}(labels=False) trains on attnreg's terms alone, and no callback adds one: add "
+                "attnreg.Distillation(teacher) (distillation without labels), or leave labels=True"
+            )
 
     def configure_optimizers(self) -> Any:
         gates = gate_parameters(self.model)
@@ -113,8 +133,8 @@ class FineTuner(AttnRegMixin, L.LightningModule):
 
 
 class SequenceClassifier(FineTuner):
-    """Fine-tunes `model` (a `...ForSequenceClassification`) as `FineTuner` does; logs `train/loss`, and
-    `val/loss`, `val/acc`, `val/mcc` (Matthews correlation) each epoch.
+    """Fine-tunes `model` (a `...ForSequenceClassification`) as `FineTuner` does (`options` are its); logs
+    `train/loss`, and `val/loss`, `val/acc`, `val/mcc` (Matthews correlation) each epoch.
 
     Example:
         >>> from attnreg.tiny import tiny_model
@@ -127,15 +147,8 @@ class SequenceClassifier(FineTuner):
         torch.Size([1, 2])
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        lr: float = 5e-5,
-        weight_decay: float = 0.01,
-        warmup: float = 0.1,
-        gate_lr: float | None = None,
-    ):
-        super().__init__(model, lr=lr, weight_decay=weight_decay, warmup=warmup, gate_lr=gate_lr)
+    def __init__(self, model: PreTrainedModel, **options: Any):
+        super().__init__(model, **options)
         classes = model.config.num_labels
         task = "binary" if classes == 2 else "multiclass"
         self.val_acc = torchmetrics.Accuracy(task=task, num_classes=classes)
@@ -153,7 +166,8 @@ class SequenceClassifier(FineTuner):
 
 class CausalLM(FineTuner):
     """Fine-tunes a causal LM (`...ForCausalLM`, or a PEFT model of one) on its next-token loss over the tokens
-    whose `labels` are not -100 (every real token for plain text, the assistant's for chat SFT); logs `train/loss`,
+    whose `labels` are not -100 (every real token for plain text, the assistant's for chat SFT), as `FineTuner` does
+    but without weight decay or warmup by default (`options` are `FineTuner`'s); logs `train/loss`,
     and `val/loss` and `val/perplexity` over every held-out token each epoch (token-weighted, not a mean of batch
     means).
 
@@ -170,16 +184,8 @@ class CausalLM(FineTuner):
         3
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        lr: float = 5e-5,
-        weight_decay: float = 0.0,
-        warmup: float = 0.0,
-        gate_lr: float | None = None,
-        schedule: str = "linear",
-    ):
-        super().__init__(model, lr=lr, weight_decay=weight_decay, warmup=warmup, gate_lr=gate_lr, schedule=schedule)
+    def __init__(self, model: PreTrainedModel, weight_decay: float = 0.0, warmup: float = 0.0, **options: Any):
+        super().__init__(model, weight_decay=weight_decay, warmup=warmup, **options)
         self.val_nll = torchmetrics.SumMetric()
         self.val_tokens = torchmetrics.SumMetric()
 
@@ -195,60 +201,3 @@ class CausalLM(FineTuner):
         self.log("val/perplexity", loss.exp())
         self.val_nll.reset()
         self.val_tokens.reset()
-
-
-class Distiller(SequenceClassifier):
-    """Trains `model` to match a frozen `teacher` (`attnreg.methods.distillation.distillation_loss`) instead of the
-    labels, which training batches need not have; validation still scores against the labels.
-
-    By default only the softened class distributions are matched; `hidden_weight > 0` adds the
-    layers' hidden states (on SST-2 with MiniLM, logits alone did as well, and cost less). The teacher
-    is kept outside the module: it is not optimized or checkpointed, and it moves to the module's
-    device when fit starts. Logs `train/loss`.
-
-    Example:
-        >>> import copy
-        >>> from attnreg.methods.pruning import prune_heads
-        >>> from attnreg.tiny import tiny_model
-        >>> model = tiny_model("bert", head="classification")
-        >>> pruned = copy.deepcopy(model)
-        >>> report = prune_heads(pruned, {0: [1, 2], 1: [0]})
-        >>> distiller = Distiller(pruned, teacher=model, temperature=2.0)   # then trainer.fit(distiller, loader)
-        >>> sum(p.numel() for p in distiller.parameters()) == report.parameters_after   # the teacher is not in it
-        True
-        >>> Distiller(model, teacher=model)
-        Traceback (most recent call last):
-        ...
-        ValueError: teacher is the model being trained: pass a copy (e.g. the unpruned model)
-    """
-
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        teacher: PreTrainedModel,
-        temperature: float = 2.0,
-        hidden_weight: float = 0.0,
-        lr: float = 5e-5,
-        weight_decay: float = 0.01,
-        warmup: float = 0.1,
-    ):
-        check_distillation(temperature, hidden_weight)
-        super().__init__(model, lr=lr, weight_decay=weight_decay, warmup=warmup)
-        if teacher is model:
-            raise ValueError("teacher is the model being trained: pass a copy (e.g. the unpruned model)")
-        self.teachers = [teacher.eval()]  # a list: not a submodule
-        self.temperature, self.hidden_weight = temperature, hidden_weight
-
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        self.teachers[0].to(self.device)
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        inputs = {key: value for key, value in self.model_inputs(batch).items() if key != "labels"}
-        hidden = self.hidden_weight > 0
-        with torch.no_grad():
-            target = self.teachers[0](**inputs, output_hidden_states=hidden)
-        output = self.model(**inputs, output_hidden_states=hidden)
-        loss = distillation_loss(output, target, inputs.get("attention_mask"), self.temperature, self.hidden_weight)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
-        return loss
