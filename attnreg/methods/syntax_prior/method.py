@@ -60,6 +60,12 @@ class SyntaxPriorKL(LossTerm):
     the term is the mean over kinds of each kind's mean over its layers, logged per kind and layer
     (`<name>/<spec>/layer<l>`). A layer or head outside the model is refused at `bind`, naming the kind.
 
+    Until a batch brings a row the term can train on (for a decoder, one with a target at or before its word), each
+    batch is checked for one (a synchronization on a GPU, none after); `quiet_batches` micro-batches without one
+    warn, naming the kind, and so does the end of training if none ever came: the term was 0. (`SyntaxCollator`
+    refuses such a kind at its first batch where the sentences come from a file; `attnreg.syntax.check_priors`
+    checks sentences of your own before training.)
+
     Example:
         >>> SyntaxPriorKL(weight=1.0, layers=[0, 1], heads=[0]).layers          # head 0 of layers 0 and 1
         [0, 1]
@@ -71,6 +77,7 @@ class SyntaxPriorKL(LossTerm):
 
     default_name = "syntax_prior_kl"
     needs = frozenset({"prior"})
+    quiet_batches = 50  # micro-batches without a row this term can train on before it warns
 
     def __init__(
         self,
@@ -109,6 +116,7 @@ class SyntaxPriorKL(LossTerm):
         self.head_reduction, self.prior_key = head_reduction, prior_key
         self.batch_keys = tuple(self.kind_priors) if self._kinds else (prior_key,)
         self.inputs = blockwise
+        self._quiet = 0  # micro-batches seen without a row to train on; None once one came
 
     def identity(self) -> dict[str, Any]:
         return {**super().identity(), "kinds": self.kinds} if self.kinds else super().identity()
@@ -149,6 +157,8 @@ class SyntaxPriorKL(LossTerm):
                 "Build batches with attnreg.syntax.SyntaxCollator (or put your own prior under that key)."
             )
         prior = batch[self.prior_key]
+        if self._quiet is not None and not torch.compiler.is_compiling():
+            self._count_rows(prior)
         active = self.active_heads()
         if not active:
             return torch.zeros((), device=next(self.model.parameters()).device), {}
@@ -164,6 +174,33 @@ class SyntaxPriorKL(LossTerm):
         self._report_window(probs, prior, active)
         losses = torch.stack(values)
         return losses.mean(), self.layer_figures(active, losses)
+
+    def on_fit_end(self, loop: Any) -> None:
+        for child in self._kinds.values() or [self]:
+            if child._quiet:
+                message = f"{child._silence()} in the whole run ({child._quiet} micro-batches): it trained nothing"
+                warnings.warn(message, stacklevel=2)
+
+    def _count_rows(self, prior: torch.Tensor) -> None:
+        """Whether this batch brings a row the term trains on (for a decoder: with a target at or before its word);
+        after `quiet_batches` batches without one, say so once."""
+        reachable = causal_prior(prior, prior.shape[-1] if prior.dim() == 3 else None) if self.causal else prior
+        if bool((reachable >= 0).any() if prior.dim() == 2 else (reachable.sum(-1) > 0).any()):
+            self._quiet = None
+            return
+        self._quiet += 1
+        if self._quiet == self.quiet_batches:
+            warnings.warn(
+                f"{self._silence()} in the first {self._quiet} training micro-batches: its term has been 0. A rare "
+                "relation may just not have come yet; one that never occurs in the training data trains nothing "
+                "(attnreg.syntax.check_priors(sentences, kl.kind_priors, causal=...) checks the data)",
+                stacklevel=4,
+            )
+
+    def _silence(self) -> str:
+        """The start of the warnings of a term that has had no row to train on."""
+        target = "a target at or before its word (what a causal model can attend to)" if self.causal else "a target"
+        return f"{type(self).__name__} {self.name!r}: no word of batch[{self.prior_key!r}] had {target}"
 
     def _report_window(self, probs: AttentionRecord, prior: torch.Tensor, active: dict) -> None:
         """Say once per layer that its mask (a sliding window) leaves prior rows out of the term, with how many of a
