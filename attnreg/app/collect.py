@@ -29,6 +29,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from attnreg.app.failed_jobs import failed_jobs
+
 DEFAULT_METRICS = (
     "accuracy.val",
     "accuracy.test",
@@ -316,10 +318,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--baseline", nargs="+", default=None, metavar="KEY=VALUE", help="add paired differences against this group"
     )
     args = parser.parse_args(argv)
+    failed = failed_jobs(args.sweep_dir) if Path(args.sweep_dir).is_dir() else []
+    if failed:  # a table over fewer seeds than the sweep ran says so
+        print(f"attnreg-collect: {len(failed)} failed jobs are not in the table:", *failed, sep="\n  ", file=sys.stderr)
     runs = load_runs(args.sweep_dir)
     table = collect(runs, args.metrics, args.over)
-    text = markdown(table)
-    collected: dict[str, Any] = {**table, "runs": runs}
+    text = markdown(table) + ("\n" if failed else "") + "".join(f"not in the table: {line}\n" for line in failed)
+    collected: dict[str, Any] = {**table, "runs": runs, "failed": failed}
     if args.baseline:
         differences = paired_differences(runs, table, dict(item.split("=", 1) for item in args.baseline), args.over)
         text += "\n" + paired_markdown(differences)

@@ -74,16 +74,16 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
 from attnreg.app.configs import register_resolvers
+from attnreg.app.failed_jobs import failed_jobs_reported
 from attnreg.app.models import add_lora, load_tokenizer
 from attnreg.app.modules import CausalLM
 from attnreg.app.settings import attnreg_settings, needs_of, provide, warn_renamed
 from attnreg.app.summary import describe_run, format_summary, metric, summarize, summarize_decoder
 from attnreg.callbacks import HeadGating
 from attnreg.families import detect_family
-from attnreg.hub import detach, is_attached
+from attnreg.hub import detach, is_attached, transformers_model
 from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned
 from attnreg.syntax.data import SyntaxCollator
-from attnreg.unwrap import transformers_model
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,8 @@ def count_causal_rows(data: Any, model: PreTrainedModel) -> None:
 
 def main() -> None:
     """`attnreg-train`: see the module docstring. Registers the configs' resolvers, then lets Hydra run
-    `job` once or as a multirun, as the command line says.
+    `job` once or as a multirun, as the command line says; a multirun with failed jobs ends naming each
+    (`attnreg.app.failed_jobs`).
 
     The example runs `attnreg-train attnreg=entropy_regularizer attnreg.entropy_regularizer.weight=0.1 --cfg job
     --package attnreg`: Hydra prints that part of the composed config and runs nothing; the module docstring shows a
@@ -358,7 +359,8 @@ def main() -> None:
         ...
     """
     register_resolvers()  # before Hydra composes: `--cfg job --resolve` needs them too
-    job()
+    with failed_jobs_reported():  # Hydra reports a multirun's first failed job; this names them all
+        job()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
