@@ -81,9 +81,10 @@ from attnreg.app.settings import attnreg_settings, needs_of, provide, warn_renam
 from attnreg.app.summary import describe_run, format_summary, metric, summarize, summarize_decoder
 from attnreg.callbacks import HeadGating
 from attnreg.families import detect_family
-from attnreg.hub import detach, is_attached, transformers_model
+from attnreg.hub import detach, is_attached
 from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned
 from attnreg.syntax.data import SyntaxCollator
+from attnreg.unwrap import transformers_model
 
 log = logging.getLogger(__name__)
 
