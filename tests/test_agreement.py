@@ -124,6 +124,34 @@ def test_lm_margins_equal_an_unbatched_reference(pairs):
     assert math.isclose(scores["margin"]["all"], sum(expected) / 4, abs_tol=1e-4)
 
 
+def test_forms_of_several_tokens_and_one_token_batched_by_length_equal_one_pair_at_a_time(pairs):
+    """One-token forms are read from the prefix's last logits, longer forms from their own sequences; batches sorted
+    by length: the margins equal scoring each pair alone, forms of two tokens included."""
+    import dataclasses
+
+    from attnreg.app.task import build_tokenizer
+
+    longer = [
+        dataclasses.replace(pairs[0], good=pairs[0].good + " really"),
+        dataclasses.replace(pairs[1], bad=" is so"),
+    ]
+    mixed = [*pairs, *longer]
+    words = {w for pair in mixed for text in (pair.prefix, pair.good, pair.bad) for w in text.split()}
+    tokenizer = build_tokenizer(sorted(words))
+    model = tiny_model("llama", head="causal_lm", vocab=len(tokenizer)).eval()
+    alone = [pair_margins(model, tokenizer, [pair])[0] for pair in mixed]
+    for batch_size in (2, 32):
+        assert pair_margins(model, tokenizer, mixed, batch_size) == pytest.approx(alone, abs=1e-5)
+    prefix = tokenizer(longer[1].prefix, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():  # the two-token form: both of its tokens summed
+        logits = model(input_ids=torch.tensor([prefix + tokenizer(" is so", add_special_tokens=False)["input_ids"]]))
+    logp = logits.logits[0].log_softmax(-1)
+    good = tokenizer(longer[1].good, add_special_tokens=False)["input_ids"][0]
+    so, is_ = tokenizer.convert_tokens_to_ids("so"), tokenizer.convert_tokens_to_ids("is")
+    expected = float(logp[len(prefix) - 1, good] - logp[len(prefix) - 1, is_] - logp[len(prefix), so])
+    assert alone[-1] == pytest.approx(expected, abs=1e-5)
+
+
 def test_a_prefix_without_tokens_is_refused_not_scored_from_another_position():
     from attnreg.app.task import build_tokenizer
     from attnreg.syntax.agreement import AgreementPair

@@ -42,38 +42,47 @@ def pair_margins(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[AgreementPair], batch_size: int = 32
 ) -> list[float]:
     """Per pair, log p(good | prefix) - log p(bad | prefix), each summed over the form's tokens (the forms are
-    tokenized on their own, with the whitespace before them, and appended to the prefix's tokens)."""
+    tokenized on their own, with the whitespace before them, and appended to the prefix's tokens). Where both forms
+    are one token the prefix alone is run and both are read from its last logits; sequences are batched by length
+    (little padding): the same margins as one pair at a time, in a fraction of the time."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    margins: list[float] = []
-    for start in range(0, len(pairs), batch_size):
-        sequences, spans = [], []
-        for pair in pairs[start : start + batch_size]:
-            prefix = _prefix_ids(tokenizer, pair.prefix)
-            if not prefix:  # the first form token would be scored by the logits of the batch's last position
-                raise ValueError(
-                    f"agreement pair of {pair.where}: the prefix {pair.prefix!r} gives no token, and "
-                    f"{type(tokenizer).__name__} adds no start token, so nothing predicts the verb"
-                )
-            for form in (pair.good, pair.bad):
-                continuation = tokenizer(form, add_special_tokens=False)["input_ids"]
-                sequences.append(prefix + continuation)
-                spans.append((len(prefix), len(prefix) + len(continuation)))
-        width = max(len(sequence) for sequence in sequences)
-        input_ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences], device=device)
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
+    sequences: list[list[int]] = []
+    targets: list[list[tuple[int, int, int, int]]] = []  # per sequence: (pair, sign, position, token) of form tokens
+    for index, pair in enumerate(pairs):
+        prefix = _prefix_ids(tokenizer, pair.prefix)
+        if not prefix:  # the first form token would be scored by the logits of the batch's last position
+            raise ValueError(
+                f"agreement pair of {pair.where}: the prefix {pair.prefix!r} gives no token, and "
+                f"{type(tokenizer).__name__} adds no start token, so nothing predicts the verb"
+            )
+        good, bad = (tokenizer(form, add_special_tokens=False)["input_ids"] for form in (pair.good, pair.bad))
+        if len(good) == len(bad) == 1:  # one run of the prefix scores both, from its last logits
+            sequences.append(prefix)
+            targets.append([(index, 1, len(prefix), good[0]), (index, -1, len(prefix), bad[0])])
+            continue
+        for sign, form in ((1, good), (-1, bad)):
+            sequences.append(prefix + form)
+            targets.append([(index, sign, len(prefix) + i, token) for i, token in enumerate(form)])
+    margins = torch.zeros(len(pairs), dtype=torch.float64)
+    order = sorted(range(len(sequences)), key=lambda row: len(sequences[row]))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        width = max(len(sequences[row]) for row in chunk)
+        input_ids = torch.tensor([sequences[r] + [pad] * (width - len(sequences[r])) for r in chunk], device=device)
+        mask = torch.tensor([[1] * len(sequences[r]) + [0] * (width - len(sequences[r])) for r in chunk], device=device)
         logits = model(input_ids=input_ids, attention_mask=mask).logits
-        rows = torch.tensor([row for row, (b, e) in enumerate(spans) for _ in range(b, e)], device=device)
-        positions = torch.tensor([p for b, e in spans for p in range(b, e)], device=device)
-        chosen = logits[rows, positions - 1].float().log_softmax(-1)  # only the predicted positions' vocabulary
-        scores = torch.zeros(len(spans), device=device).index_add_(
-            0, rows, chosen.gather(-1, input_ids[rows, positions, None]).squeeze(-1)
-        )
-        margins += (scores[0::2] - scores[1::2]).tolist()
+        found = [(row, *target) for row, sequence_row in enumerate(chunk) for target in targets[sequence_row]]
+        rows, owners, signs, positions, tokens = zip(*found, strict=True)
+        # a token at position p is predicted by the logits at p - 1
+        chosen = logits[torch.tensor(rows, device=device), torch.tensor(positions, device=device) - 1].float()
+        scores = chosen.log_softmax(-1).gather(-1, torch.tensor(tokens, device=device)[:, None]).squeeze(-1)
+        signed = scores.double().cpu() * torch.tensor(signs, dtype=torch.float64)
+        margins.index_add_(0, torch.tensor(owners), signed)
     model.train(was_training)
-    return margins
+    return margins.tolist()
 
 
 def agreement_scores(
