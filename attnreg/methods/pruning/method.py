@@ -82,16 +82,34 @@ class GateKind:
     targets_count: ClassVar[bool] = False
 
     def make(self, hub: AttentionHub, layer: int) -> torch.Tensor | nn.Module:
-        """Install the gate of `layer` on `hub` (before the optimizer exists) and return it."""
-        raise NotImplementedError
+        """Install the gate of `layer` on `hub` (before the optimizer exists) and return it.
+
+        Example:
+            >>> class Mine(GateKind): ...
+            >>> Mine().make(None, 0)
+            Traceback (most recent call last):
+            ...
+            NotImplementedError: Mine, a GateKind, must implement make(hub, layer): install the gate of `layer` on the
+            hub (hub.install_gate, say) and return it
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}, a GateKind, must implement make(hub, layer): install the gate of `layer` on the "
+            "hub (hub.install_gate, say) and return it"
+        )
 
     def penalty(self, gate: Any) -> torch.Tensor:
         """Per-head values whose sum the penalty weighs (differentiable)."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__}, a GateKind, must implement penalty(gate): the per-head values whose sum the "
+            "penalty weighs, differentiable"
+        )
 
     def score(self, gate: Any) -> torch.Tensor:
         """Per-head scores, detached: the lowest go first."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__}, a GateKind, must implement score(gate): per-head scores, detached, the lowest "
+            "removed first"
+        )
 
     def before_step(self, gate: Any) -> None:
         """Once per optimizer step, before it (clamping, say); nothing by default."""
