@@ -1,6 +1,9 @@
 """`python -m attnreg.app.view RUN_DIR`: the head view of an `attnreg-train` run, its best checkpoint beside the
 model it started from, on the run's held-out sentences with gold trees, its supervised heads marked.
 
+A run that trained a LoRA adapter (`peft=lora`) is viewed with the adapter merged into the base model
+(`merge_and_unload`), as its `merged_model/` holds it.
+
 `make demo` trains the default run (the built-in agreement task, the syntax prior on head 0 of every layer) into
 `outputs/demo` and writes `outputs/demo/head_view.html` this way. The run folder is Hydra's: `.hydra/config.yaml`
 rebuilds the data and the model as the run began, `summary.json` names the best checkpoint and the heads the syntax
@@ -36,9 +39,10 @@ from omegaconf import OmegaConf
 from attnreg.analysis import HeadView, head_view
 from attnreg.app.analyze import _load_checkpoint
 from attnreg.app.configs import register_resolvers
-from attnreg.app.models import load_tokenizer
-from attnreg.hub import attach
+from attnreg.app.models import add_lora, load_tokenizer
+from attnreg.hub import attach, detach
 from attnreg.methods.pruning import restore_pruning
+from attnreg.unwrap import transformers_model
 
 
 def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = False) -> tuple[HeadView, str]:
@@ -54,8 +58,6 @@ def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = 
     summary = json.loads(summary_file.read_text())
     if not summary.get("checkpoint"):
         raise FileNotFoundError(f"{summary_file} names no checkpoint: the run saved none")
-    if cfg.get("peft"):
-        raise NotImplementedError(f"{run_dir} trained a PEFT adapter: view its merged model (attnreg-analyze --html)")
     supervised: dict[int, list[int]] = {}  # the heads the summary reports as supervised: "L0H0", ...
     for name in (summary.get("parent_accuracy") or {}).get("supervised") or {}:
         layer, head = map(int, re.fullmatch(r"L(\d+)H(\d+)", name).groups())
@@ -68,11 +70,17 @@ def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = 
         raise ValueError(f"the data of {run_dir} ({cfg.data._target_}) has no held-out sentences with gold trees")
     start = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels).eval()  # as the run began
     trained = copy.deepcopy(start)
+    if cfg.get("peft"):  # the LoRA adapter the run trained, on the base model, as `attnreg-train` wrapped it
+        task_type = "SEQ_CLS" if getattr(data, "task", "classification") == "classification" else "CAUSAL_LM"
+        trained = add_lora(trained, **cfg.peft, seed=cfg.seed, task_type=task_type)
     checkpoint = _load_checkpoint(Path(summary["checkpoint"]), trust_checkpoint)
     state = {key[len("model.") :]: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.")}
     attach(trained)  # gates and temperatures in the state dict are created on load
-    restore_pruning(trained, checkpoint)
+    restore_pruning(transformers_model(trained), checkpoint)  # the transformers model, inside an adapter too
     trained.load_state_dict(state, strict=True)
+    if cfg.get("peft"):  # viewed merged, as the run's merged_model/: gates folded into base and adapter, then merged
+        detach(trained)
+        trained = trained.merge_and_unload()
     view = head_view(
         trained.eval(),
         data.tokenizer,
