@@ -111,6 +111,59 @@ def test_compose_api_run_is_seeded(tmp_path):
         metric(first, "accuracy.nope")
 
 
+class Batches(L.Callback):
+    """The input ids each optimizer step trains on, by step, and the weights training ends on."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.seen, self.stop_at, self.final = {}, stop_at, None
+
+    def on_train_end(self, trainer, module):
+        self.final = {name: value.clone() for name, value in module.state_dict().items()}
+
+    def on_train_batch_start(self, trainer, module, batch, index):
+        self.seen[trainer.global_step] = batch["input_ids"].clone()
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.stop_at:  # mid-way through the second of three epochs
+            raise RuntimeError("interrupted")
+
+
+def test_a_resumed_classifier_run_sees_the_batches_of_an_uninterrupted_one_and_ends_on_its_weights(tmp_path):
+    """The training order comes from (seed, epoch) alone (`EpochSampler`), not from torch's generator, which a resumed
+    run finds elsewhere (it skipped the first epoch's draws): a run cut mid-way and resumed from its last checkpoint
+    trains on the same batches, step for step, and ends on the same weights."""
+    from unittest import mock
+
+    overrides = ["data.train=64", "data.val=16", "data.test=16", "data.hard=16", "data.batch_size=16", *QUIET]
+    overrides += ["trainer.max_epochs=3", "~logger"]
+    real = instantiate
+    runs = {"whole": Batches(), "cut": Batches(stop_at=6), "resumed": Batches()}
+
+    def run(name: str, cfg: DictConfig, folder: Path) -> None:
+        def with_record(node, *args, **kwargs):
+            if "callbacks" in kwargs and node is cfg.trainer:
+                kwargs["callbacks"] = [*kwargs["callbacks"], runs[name]]
+            return real(node, *args, **kwargs)
+
+        with mock.patch("attnreg.app.train.instantiate", side_effect=with_record):
+            train(cfg, folder)
+
+    run("whole", composed(*overrides), tmp_path / "whole")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        run("cut", composed(*overrides), tmp_path / "cut")
+    last = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 4  # the end of the first epoch
+    run("resumed", composed(*overrides, f"+ckpt_path={last}"), tmp_path / "cut")
+    assert sorted(runs["whole"].seen) == list(range(12)) and sorted(runs["resumed"].seen) == list(range(4, 12))
+    for step, ids in [*runs["cut"].seen.items(), *runs["resumed"].seen.items()]:
+        assert torch.equal(ids, runs["whole"].seen[step]), f"step {step} trained on other batches"
+    assert not torch.equal(runs["whole"].seen[0], runs["whole"].seen[4])  # each epoch has an order of its own
+    whole, resumed = runs["whole"].final, runs["resumed"].final
+    assert whole.keys() == resumed.keys()
+    for key, value in whole.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 def test_monitor_gets_the_task_gold_trees_and_logs_parent_accuracy(tmp_path):
     cfg = composed(
         *SMALL,
@@ -183,7 +236,7 @@ def test_needs_are_declared_by_the_attnreg_callbacks_and_checked():
     own = build_tokenizer(vocabulary())
     given = AttentionMonitor(gold_sentences=[], tokenizer=own)  # given its own: the app leaves them
     provide([given], data)
-    assert given.gold_sentences == [] and given.tokenizer is own
+    assert given.method.gold_sentences == [] and given.method.tokenizer is own
 
 
 IMPORT_ONLY = """
@@ -500,12 +553,13 @@ def test_hub_model_without_a_name_is_a_missing_value():
 def test_cola_preset_ramps_the_prior_weight_in_over_the_first_half():
     cfg = composed("experiment=cola_minilm")
     prior = instantiate(cfg.attnreg.syntax_prior_kl, _convert_="all")
-    assert [prior.schedule(progress) for progress in (0.0, 0.25, 0.5, 1.0)] == pytest.approx([0.0, 0.02, 0.04, 0.04])
+    ramp = [prior.method.schedule(progress) for progress in (0.0, 0.25, 0.5, 1.0)]
+    assert ramp == pytest.approx([0.0, 0.02, 0.04, 0.04])
     assert cfg.trainer.max_epochs == 2
     swept = instantiate(
         composed("experiment=cola_minilm", "attnreg.syntax_prior_kl.weight=0.1").attnreg.syntax_prior_kl
     )
-    assert swept.schedule(0.25) == pytest.approx(0.1)  # a sweep may still set a plain number
+    assert swept.method.schedule(0.25) == pytest.approx(0.1)  # a sweep may still set a plain number
 
 
 @pytest.mark.slow

@@ -9,12 +9,11 @@ Besides the loaders, each module names its `eval_sets()` (accuracy in the run su
 `tree_sentences()` (held-out sentences with trees, for parent accuracy).
 
 Example:
-    >>> import torch
     >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2, seed=0, batch_size=4)
-    >>> data.setup("fit"); _ = torch.manual_seed(0)       # the training loader shuffles with torch's generator
+    >>> data.setup("fit")
     >>> batch = next(iter(data.train_dataloader()))   # input_ids, attention_mask, labels, attnreg_prior
     >>> sorted(batch), batch["input_ids"].shape
-    (['attention_mask', 'attnreg_prior', 'input_ids', 'labels'], torch.Size([4, 16]))
+    (['attention_mask', 'attnreg_prior', 'input_ids', 'labels'], torch.Size([4, 20]))
 """
 
 from __future__ import annotations
@@ -88,21 +87,55 @@ class TextCollator:
         return batch
 
 
-class ClassificationDataModule(L.LightningDataModule):
-    """Shared loaders and tokenizer handling; subclasses fill `self.datasets` in `setup`.
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """A random order of `size` items drawn from (`seed`, epoch) alone; Lightning calls `set_epoch` at each epoch, so
+    the order does not depend on what else drew random numbers, and a run resumed from a checkpoint sees the
+    batches the uninterrupted one saw.
 
     Example:
-        >>> class Tiny(ClassificationDataModule):
-        ...     def setup(self, stage=None):
-        ...         self.datasets = {"train": TextDataset(["a b", "b"], [1, 0]), "val": TextDataset(["a"], [1])}
-        >>> data = Tiny(tokenizer=build_tokenizer(["a", "b"]), batch_size=2)
-        >>> data.setup(); sorted(next(iter(data.train_dataloader())))
-        ['attention_mask', 'input_ids', 'labels']
-        >>> data.tree_sentences() is None             # no trees: no parent accuracy for it
-        True
+        >>> sampler = EpochSampler(5, seed=0)
+        >>> first = list(sampler); sampler.set_epoch(1); second = list(sampler)
+        >>> sorted(first) == list(range(5)), first != second, list(EpochSampler(5, seed=0)) == first
+        (True, True, True)
     """
 
-    num_labels = 2
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+class AppDataModule(L.LightningDataModule):
+    """What the app's data modules share (classification here, the decoder tasks' in `attnreg.app.lm`): the
+    tokenizer (the one given, else `build_tokenizer()` from the data's own words, for random models), one collator
+    for every loader (`build_collator()`, built once, so that a `SyntaxCollator`'s counts and its dropped-arcs
+    warning cover the whole run), and loaders whose training order comes from (`seed`, epoch) alone
+    (`EpochSampler`: a run resumed from a checkpoint sees the batches the uninterrupted one would). Subclasses
+    fill `self.datasets` in `setup`.
+
+    Example:
+        >>> class Numbers(AppDataModule):
+        ...     def build_collator(self):
+        ...         return torch.tensor
+        ...     def setup(self, stage=None):
+        ...         self.datasets = {"train": list(range(6)), "val": [6, 7]}
+        >>> def order(seed):
+        ...     data = Numbers(batch_size=3, seed=seed); data.setup()
+        ...     return [batch.tolist() for batch in data.train_dataloader()]
+        >>> first = order(seed=1); _ = torch.rand(5)                       # torch's own generator moves on
+        >>> order(seed=1) == first, sorted(sum(first, [])), order(seed=2) != first
+        (True, [0, 1, 2, 3, 4, 5], True)
+    """
+
+    num_labels: int | None = 2
 
     def __init__(
         self,
@@ -113,14 +146,15 @@ class ClassificationDataModule(L.LightningDataModule):
         eval_batch_size: int = 128,
         max_length: int | None = 128,
         num_workers: int = 0,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self._tokenizer = tokenizer
         self.with_prior = with_prior
         self.prior = SyntaxPrior(prior) if isinstance(prior, str) else SyntaxPrior(**prior)
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
-        self.max_length, self.num_workers = max_length, num_workers
-        self.datasets: dict[str, Dataset] = {}
+        self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
+        self.datasets: dict[str, Any] = {}
         self._collate: Callable | None = None
 
     @property
@@ -135,18 +169,17 @@ class ClassificationDataModule(L.LightningDataModule):
         raise NotImplementedError(f"{type(self).__name__} must define build_tokenizer() or be given a tokenizer")
 
     def collator(self) -> Callable:
-        """The collate function of every loader, built once, so that a `SyntaxCollator`'s counts (and its
-        dropped-arcs warning) cover the whole run."""
+        """The collate function of every loader, built once (`build_collator`)."""
         if self._collate is None:
             self._collate = self.build_collator()
         return self._collate
 
     def build_collator(self) -> Callable:
-        if self.with_prior:
-            return SyntaxCollator(self.tokenizer, prior=self.prior, max_length=self.max_length)
-        return TextCollator(self.tokenizer, max_length=self.max_length)
+        """The collate function of this data's batches; each data module defines it (abstract here)."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_collator()")
 
     def loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        """`split`'s loader; shuffled by `EpochSampler` (an order per seed and epoch)."""
         if split not in self.datasets:
             raise KeyError(
                 f"{type(self).__name__} has no split {split!r} (has {sorted(self.datasets)}); run setup() first"
@@ -154,7 +187,7 @@ class ClassificationDataModule(L.LightningDataModule):
         return DataLoader(
             self.datasets[split],
             batch_size=self.batch_size if shuffle else self.eval_batch_size,
-            shuffle=shuffle,
+            sampler=EpochSampler(len(self.datasets[split]), self.seed) if shuffle else None,
             collate_fn=self.collator(),
             num_workers=self.num_workers,
         )
@@ -166,11 +199,35 @@ class ClassificationDataModule(L.LightningDataModule):
         return self.loader("val")
 
     def eval_sets(self) -> dict[str, DataLoader]:
-        """Held-out loaders whose accuracy the run summary reports, by name."""
+        """Held-out loaders whose accuracy (or perplexity) the run summary reports, by name."""
         return {"val": self.loader("val")}
 
     def tree_sentences(self) -> list[Sentence] | None:
         """Held-out sentences with trees for parent accuracy (None when this data has none)."""
+        return None
+
+
+class ClassificationDataModule(AppDataModule):
+    """Sentence classification: batches of `TextCollator` (or of `SyntaxCollator` with the prior on); subclasses fill
+    `self.datasets` in `setup`.
+
+    Example:
+        >>> class Tiny(ClassificationDataModule):
+        ...     def setup(self, stage=None):
+        ...         self.datasets = {"train": TextDataset(["a b", "b"], [1, 0]), "val": TextDataset(["a"], [1])}
+        >>> data = Tiny(tokenizer=build_tokenizer(["a", "b"]), batch_size=2)
+        >>> data.setup(); sorted(next(iter(data.train_dataloader())))
+        ['attention_mask', 'input_ids', 'labels']
+        >>> data.tree_sentences() is None             # no trees: no parent accuracy for it
+        True
+    """
+
+    def build_collator(self) -> Callable:
+        if self.with_prior:
+            return SyntaxCollator(self.tokenizer, prior=self.prior, max_length=self.max_length)
+        return TextCollator(self.tokenizer, max_length=self.max_length)
+
+    def tree_sentences(self) -> list[Sentence] | None:
         val = self.datasets.get("val")
         return list(val.sentences) if isinstance(val, SyntaxDataset) else None
 
@@ -205,9 +262,8 @@ class AgreementDataModule(ClassificationDataModule):
         max_length: int | None = 64,
         num_workers: int = 0,
     ) -> None:
-        super().__init__(tokenizer, with_prior, prior, batch_size, eval_batch_size, max_length, num_workers)
+        super().__init__(tokenizer, with_prior, prior, batch_size, eval_batch_size, max_length, num_workers, seed)
         self.sizes = {"train": train, "val": val, "test": test, "hard": hard}
-        self.seed = seed
         self.grammar = Grammar(**(grammar or {}))
 
     def build_tokenizer(self) -> PreTrainedTokenizerBase:

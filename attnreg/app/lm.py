@@ -33,12 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from attnreg.app.datamodules import _load_hub_dataset, frequent_words
+from attnreg.app.datamodules import AppDataModule, _load_hub_dataset, frequent_words
 from attnreg.app.task import build_tokenizer, generate, vocabulary
 from attnreg.syntax.align import word_spans
 from attnreg.syntax.data import SyntaxCollator
@@ -74,36 +72,10 @@ class LMCollator:
         return batch
 
 
-class EpochSampler(torch.utils.data.Sampler[int]):
-    """A random order of `size` items drawn from (`seed`, epoch) alone; Lightning calls `set_epoch` at each epoch, so
-    the order does not depend on what else drew random numbers, and a run resumed from a checkpoint sees the
-    batches the uninterrupted one saw.
-
-    Example:
-        >>> sampler = EpochSampler(5, seed=0)
-        >>> first = list(sampler); sampler.set_epoch(1); second = list(sampler)
-        >>> sorted(first) == list(range(5)), first != second, list(EpochSampler(5, seed=0)) == first
-        (True, True, True)
-    """
-
-    def __init__(self, size: int, seed: int = 0) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self) -> Any:
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
-
-
-class DecoderDataModule(L.LightningDataModule):
-    """What the decoder data modules share: the tokenizer (a word-level one built from the training texts when the
-    model brings none), loaders with a collator built once (its prior counts cover the run), held-out sentences with
-    trees for parent accuracy, and prompts for greedy continuations. Subclasses fill `self.datasets` in `setup`."""
+class DecoderDataModule(AppDataModule):
+    """What the decoder data modules share beyond `AppDataModule`: a word-level tokenizer built from the training
+    texts' `vocab_size` most frequent words when the model brings none (`chat_template`, when set, replaces the
+    tokenizer's), held-out sentences with trees for parent accuracy, and prompts for greedy continuations."""
 
     task = "causal_lm"
     num_labels = None
@@ -122,37 +94,23 @@ class DecoderDataModule(L.LightningDataModule):
         chat_template: str | None = None,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.seed = seed
-        self._tokenizer = tokenizer
-        self.with_prior = with_prior
-        self.prior = SyntaxPrior(prior) if isinstance(prior, str) else SyntaxPrior(**prior)
-        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
-        self.max_length, self.num_workers, self.vocab_size = max_length, num_workers, vocab_size
-        self.prompts = list(prompts)
-        self.chat_template = chat_template
-        self.datasets: dict[str, list] = {}
-        self._collate: Callable | None = None
+        super().__init__(tokenizer, with_prior, prior, batch_size, eval_batch_size, max_length, num_workers, seed)
+        self.vocab_size, self.prompts, self.chat_template = vocab_size, list(prompts), chat_template
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The model's tokenizer, else a word-level one over the training texts' `vocab_size` most frequent words
-        (random models); `chat_template`, when set, replaces the tokenizer's."""
-        if self._tokenizer is None:
-            self._tokenizer = build_tokenizer(frequent_words(self.vocabulary_texts(), self.vocab_size))
-        if self.chat_template is not None and self._tokenizer.chat_template != self.chat_template:
-            self._tokenizer.chat_template = self.chat_template
-        return self._tokenizer
+        tokenizer = super().tokenizer
+        if self.chat_template is not None and tokenizer.chat_template != self.chat_template:
+            tokenizer.chat_template = self.chat_template
+        return tokenizer
+
+    def build_tokenizer(self) -> PreTrainedTokenizerBase:
+        return build_tokenizer(frequent_words(self.vocabulary_texts(), self.vocab_size))
 
     def vocabulary_texts(self) -> list[str]:
         """The texts a word-level tokenizer is built from (the training split's)."""
         self.setup("fit")
         return [_text(example) for example in self.datasets["train"]]
-
-    def collator(self) -> Callable:
-        if self._collate is None:
-            self._collate = self.build_collator()
-        return self._collate
 
     def build_collator(self) -> Callable:
         if self.with_prior:
@@ -161,28 +119,7 @@ class DecoderDataModule(L.LightningDataModule):
             )
         return LMCollator(self.tokenizer, max_length=self.max_length)
 
-    def loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        """`split`'s loader; shuffled by `EpochSampler` (an order per seed and epoch: a resumed run sees the batches
-        the uninterrupted one would)."""
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.batch_size if shuffle else self.eval_batch_size,
-            sampler=EpochSampler(len(self.datasets[split]), self.seed) if shuffle else None,
-            collate_fn=self.collator(),
-            num_workers=self.num_workers,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader("val")
-
-    def eval_sets(self) -> dict[str, DataLoader]:
-        return {"val": self.loader("val")}
-
     def tree_sentences(self) -> list[Sentence] | None:
-        """Held-out sentences with trees (parent accuracy), None when the data has none."""
         sentences = [example for example in self.datasets.get("val", []) if isinstance(example, Sentence)]
         return sentences or None
 

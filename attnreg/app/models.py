@@ -85,18 +85,19 @@ def tiny_classifier(
         >>> type(model).__name__, model.config.vocab_size, model.config.n_layer, model.config.pad_token_id
         ('GPT2ForSequenceClassification', 58, 3, 0)
     """
-    return tiny_model(
-        family,
-        head="classification",
-        seed=seed,
-        vocab=len(tokenizer),
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        positions=positions,
-        num_labels=num_labels,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    sizes = {"hidden": hidden, "layers": layers, "heads": heads, "positions": positions}
+    return sized_for(tokenizer, family, "classification", seed, **sizes, num_labels=num_labels)
+
+
+def sized_for(tokenizer: PreTrainedTokenizerBase, family: str, head: str, seed: int, **sizes: Any) -> PreTrainedModel:
+    """`attnreg.tiny.tiny_model` with `tokenizer`'s vocabulary and padding token (the tiny factories' common part).
+
+    Example:
+        >>> from attnreg.app.task import build_tokenizer
+        >>> sized_for(build_tokenizer(["a", "b"]), "bert", "classification", seed=0).config.vocab_size
+        7
+    """
+    return tiny_model(family, head=head, seed=seed, vocab=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **sizes)
 
 
 def pretrained_classifier(
@@ -213,17 +214,8 @@ def tiny_causal_lm(
         >>> type(model).__name__, model.config.vocab_size, model.config.num_key_value_heads
         ('LlamaForCausalLM', 58, 2)
     """
-    return tiny_model(
-        family,
-        head="causal_lm",
-        seed=seed,
-        vocab=len(tokenizer),
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        positions=positions,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    sizes = {"hidden": hidden, "layers": layers, "heads": heads, "positions": positions}
+    return sized_for(tokenizer, family, "causal_lm", seed, **sizes)
 
 
 def pretrained_causal_lm(
