@@ -73,28 +73,24 @@ class LMCollator:
 
 
 class DecoderDataModule(AppDataModule):
-    """What the decoder data modules share beyond `AppDataModule`: a word-level tokenizer built from the training
-    texts' `vocab_size` most frequent words when the model brings none (`chat_template`, when set, replaces the
-    tokenizer's), held-out sentences with trees for parent accuracy, and prompts for greedy continuations."""
+    """What the decoder data modules share beyond `AppDataModule` (whose `options` they take): a word-level tokenizer
+    built from the training texts' `vocab_size` most frequent words when the model brings none (`chat_template`, when
+    set, replaces the tokenizer's), held-out sentences with trees for parent accuracy, and prompts for greedy
+    continuations."""
 
     task = "causal_lm"
     num_labels = None
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        with_prior: bool = False,
-        prior: str | Mapping[str, Any] = "parent",
         batch_size: int = 8,
         eval_batch_size: int = 32,
-        max_length: int | None = 128,
-        num_workers: int = 0,
         vocab_size: int = 8000,
         prompts: Sequence[str] = DEFAULT_PROMPTS,
         chat_template: str | None = None,
-        seed: int = 0,
+        **options: Any,
     ) -> None:
-        super().__init__(tokenizer, with_prior, prior, batch_size, eval_batch_size, max_length, num_workers, seed)
+        super().__init__(batch_size=batch_size, eval_batch_size=eval_batch_size, **options)
         self.vocab_size, self.prompts, self.chat_template = vocab_size, list(prompts), chat_template
 
     @property
