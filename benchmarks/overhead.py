@@ -45,8 +45,11 @@ bytes are also measured at 512, 1,024 and 2,048 tokens (batch 1) to show they gr
 `torch.profiler` splits the steps of `sdpa`, `kl_head` and `entropy_all` by aten op (self CPU time), to
 show where a regularized step's extra time goes (`--breakdown-only` runs just that).
 
-Compiled at SmolLM2's shape (`--shape smollm2 --compiled`): `compiled_sdpa`, `compiled_kl_head` and
-`compiled_entropy_all`, and the graph breaks each regularizer adds to the plain step (`torch._dynamo.explain`).
+Compiled at SmolLM2's shape (`--shape smollm2 --compiled`; `--quick --compiled` at the quick shape, a few minutes):
+`compiled_sdpa`, `compiled_kl_head` and `compiled_entropy_all`, and the graph breaks each regularizer adds to the plain
+step (`torch._dynamo.explain`). Each compiled step has a code object of its own (`own_code`) and static shapes; after
+the warm-up, rounds of compiled steps run until one compiles nothing, and the frames compiled during timed steps are
+counted per variant: a compiled ratio with any reads "not settled".
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -164,7 +168,25 @@ def build(name: str, base: torch.nn.Module) -> tuple[torch.nn.Module, Step]:
             loss = loss + term.term(inputs if term.inputs else probs, batch, 0)[0]
         return loss
 
-    return model, (torch.compile(step) if name.startswith("compiled_") else step)
+    if not name.startswith("compiled_"):
+        return model, step
+    return model, torch.compile(own_code(step, name), dynamic=False)
+
+
+def own_code(function: Callable, name: str) -> Callable:
+    """`function` with a code object of its own. dynamo caches compiled code per code object, and every variant's
+    `step` is a closure of one: compiled side by side they took turns failing each other's guards, so that a
+    variant's first call was a recompilation that marked the step's numbers dynamic, the next graph broke on them,
+    and dynamo fell back to running the step eagerly, compiling only the model's forward (the "compiled" SDPA step
+    recompiled inside its timed step). A code object per variant, and `dynamic=False`, keep one graph each."""
+    code = function.__code__.replace(co_name=f"step_{name}")
+    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+
+
+def compile_count() -> int:
+    """Frames dynamo has been asked to compile so far in this process (a cache miss each: a compilation or a
+    recompilation)."""
+    return torch._dynamo.utils.counters["frames"]["total"]
 
 
 def make_batch(shape: Shape, family: str, tokens: int, batch: int) -> dict[str, torch.Tensor]:
@@ -230,28 +252,47 @@ def run_config(
         start = time.perf_counter()
         train_step(model, step, batch)  # warm-up (and, for the compiled steps, compiling)
         print(f"  {family} {tokens}: {name} warm-up {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    warm_compiled(built, batch)
     times: dict[str, list[float]] = {name: [] for name in built}
+    recompiles = {name: 0 for name in built if name.startswith("compiled_")}
     loads = [load_average()]
     for rep in range(reps):
         order = list(built)[rep % len(built) :] + list(built)[: rep % len(built)]
         started = time.perf_counter()
         for name in order:
+            compiles = compile_count()
             start = time.perf_counter()
             train_step(*built[name], batch)
             times[name].append(time.perf_counter() - start)
+            if name in recompiles:
+                recompiles[name] += compile_count() - compiles
         loads.append(load_average())
         print(f"  {family} {tokens} tokens: repetition {rep + 1}/{reps} (load {loads[-1]:.1f})", file=sys.stderr)
         if budget is not None and 2 * time.perf_counter() - started - STARTED > budget:
             break  # another repetition would not end within the budget
     entry = {"model": family, "tokens": tokens, "batch": batch_size, "times_s": times, "load": loads}
-    entry |= {"saved_bytes": saved, "graph_breaks": breaks}
+    entry |= {"saved_bytes": saved, "graph_breaks": breaks, "recompiles": recompiles}
     return entry | {"summary": summarize(entry)}
+
+
+def warm_compiled(built: dict[str, tuple[torch.nn.Module, Step]], batch: dict[str, torch.Tensor], rounds: int = 3):
+    """Step every compiled variant again, a round at a time, until a round compiles nothing (at most `rounds`): one
+    variant's compilation can fail another's guards, which a timed step must not pay for."""
+    compiled = [name for name in built if name.startswith("compiled_")]
+    for _ in range(rounds if compiled else 0):
+        compiles = compile_count()
+        for name in compiled:
+            train_step(*built[name], batch)
+        if compile_count() == compiles:
+            return
+        print(f"  warm-up round compiled {compile_count() - compiles} frame(s); another round", file=sys.stderr)
 
 
 def summarize(entry: dict) -> dict:
     """Per variant: median step time, and median, min and max of its per-repetition ratios to `sdpa` (to
-    `compiled_sdpa` for a compiled variant), with its saved bytes and their ratio to SDPA's."""
-    times, saved = entry["times_s"], entry["saved_bytes"]
+    `compiled_sdpa` for a compiled variant), with its saved bytes and their ratio to SDPA's; for a compiled variant,
+    the frames compiled during its timed steps and those of `compiled_sdpa` (any: its ratio is not settled)."""
+    times, saved, recompiles = entry["times_s"], entry["saved_bytes"], entry.get("recompiles", {})
 
     def ratios(name: str, baseline: str) -> list[float] | None:
         if baseline not in times:
@@ -270,6 +311,9 @@ def summarize(entry: dict) -> dict:
             "saved_bytes": saved.get(name),
             "saved_vs_sdpa": saved[name] / saved["sdpa"] if name in saved and "sdpa" in saved else None,
         }
+        if name.startswith("compiled_") and recompiles:  # its own, and its baseline's
+            baseline = recompiles.get("compiled_sdpa", 0) if name != "compiled_sdpa" else 0
+            summary[name]["recompiles"] = recompiles.get(name, 0) + baseline
     return summary
 
 
@@ -340,6 +384,8 @@ def merge(paths: list[str]) -> dict:
         entry["load"] = [load for part in parts for load in part["load"]]
         entry["saved_bytes"] = {k: v for part in parts for k, v in part.get("saved_bytes", {}).items()}
         entry["graph_breaks"] = {k: v for part in parts for k, v in part.get("graph_breaks", {}).items()}
+        compiled = {k for part in parts for k in part.get("recompiles", {})}
+        entry["recompiles"] = {k: sum(part.get("recompiles", {}).get(k, 0) for part in parts) for k in compiled}
         configs.append(entry | {"summary": summarize(entry)})
     return {**{k: v for k, v in first.items() if k not in ("meta", "configs")}, "configs": configs, "merged": paths}
 
@@ -393,8 +439,12 @@ def breakdown_markdown(entry: dict, top: int = 12) -> list[str]:
 LOUD = " (loud: more than 3/4 of the CPUs busy)"
 
 
-def ratio_text(ratio: dict | None) -> str:
-    return "" if ratio is None else f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+def ratio_text(ratio: dict | None, recompiles: int = 0) -> str:
+    """`median (min-max)`; a compiled ratio whose timed steps compiled anything reads "not settled"."""
+    if ratio is None:
+        return ""
+    text = f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+    return f"{text}, not settled: {recompiles} recompile(s) in timed steps" if recompiles else text
 
 
 def markdown(results: dict) -> str:
@@ -425,14 +475,20 @@ def markdown(results: dict) -> str:
             saved_ratio = f"{row['saved_vs_sdpa']:.3f}" if row["saved_vs_sdpa"] is not None else "n/a"
             rows.append(
                 [config["model"], config["tokens"], config["batch"], name, f"{row['median_s'] * 1000:.0f}", row["reps"]]
-                + [ratio_text(row["vs_sdpa"]), ratio_text(row["vs_compiled_sdpa"]), saved, saved_ratio]
+                + [ratio_text(row["vs_sdpa"]), ratio_text(row["vs_compiled_sdpa"], row.get("recompiles", 0))]
+                + [saved, saved_ratio]
             )
     header = ["model", "tokens", "batch", "variant", "step ms", "reps", "x SDPA", "x compiled SDPA", "saved MB"]
     lines += table(header + ["saved x SDPA"], rows, "lrrlrrrrrr")
     for config in results["configs"]:
         for name, entry in config.get("graph_breaks", {}).items():
             added = "; ".join(entry["added"]) or "none"
-            lines += ["", f"`{name}`: {entry['graphs']} graph(s); graph breaks beyond the plain step's: {added}"]
+            compiled = config.get("recompiles", {}).get(name, "n/a")
+            lines += [
+                "",
+                f"`{name}`: {entry['graphs']} graph(s); graph breaks beyond the plain step's: {added}; frames compiled "
+                f"during its timed steps: {compiled}",
+            ]
     if results.get("verdicts"):
         lines += ["", "Against the targets (issue 40):", ""]
         verdict_rows = [
@@ -516,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def compiled(family: str, tokens: int) -> bool:
         if args.quick or not args.compile:
-            return False
+            return args.compile and args.compiled  # --quick --compiled: the compiled variants at the quick shape
         return args.compiled if shape.name == "smollm2" else family == "bert" and tokens == configs[0][0]
 
     results["configs"] = [
