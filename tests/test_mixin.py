@@ -217,3 +217,18 @@ def test_the_former_argument_order_is_refused_saying_the_new_one():
     with pytest.raises(TypeError, match=r"got 'spread' \(AttentionTerm\(name, fn, \.\.\.\) is now AttentionLoss\(fn"):
         attnreg.methods.AttentionLoss("spread", lambda probs, batch: probs[0].var())
     assert "AttentionTerm" not in attnreg.__all__ and "AttentionTerm" not in vars(attnreg.mixin)
+
+
+def test_a_method_object_given_to_lightning_as_a_callback_is_refused_naming_the_callback_of_its_name():
+    """`attnreg.EntropyRegularizer` is the Lightning callback that runs the method `attnreg.methods.EntropyRegularizer`:
+    the method given to Lightning as a callback is refused when the trainer is built, naming the callback to give."""
+    with pytest.raises(TypeError, match=r"EntropyRegularizer is an attnreg method.*attnreg.EntropyRegularizer\("):
+        L.Trainer(callbacks=[attnreg.methods.EntropyRegularizer()], logger=False)
+
+    class Mine(attnreg.methods.Method):
+        pass
+
+    with pytest.raises(TypeError, match=r"Mine is a method object.*attnreg.MethodCallback\(method\)"):
+        L.Trainer(callbacks=[Mine()], logger=False)
+    trainer = L.Trainer(callbacks=[attnreg.EntropyRegularizer(), attnreg.MethodCallback(Mine())], logger=False)
+    assert isinstance(trainer.callbacks[0].method, attnreg.methods.EntropyRegularizer)

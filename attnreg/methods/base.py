@@ -231,6 +231,27 @@ class Method:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.length.load_state_dict(state)
 
+    @property
+    def state_key(self) -> str:
+        """A method is no Lightning callback (Lightning reads `state_key` of each callback first): an error naming the
+        callback of the same name, which hands the method to the runner.
+
+        Example:
+            >>> from attnreg.methods import EntropyRegularizer
+            >>> EntropyRegularizer().state_key
+            Traceback (most recent call last):
+            ...
+            TypeError: EntropyRegularizer is an attnreg method object, not a Lightning callback: in ...
+        """
+        name = type(self).__name__
+        ours = type(self).__module__.startswith("attnreg.methods")
+        callback = f"its callback attnreg.{name}(...)" if ours else "attnreg.MethodCallback(method)"
+        raise TypeError(
+            f"{name} is {'an attnreg' if ours else 'a'} method object, not a Lightning callback: in "
+            f"lightning.Trainer(callbacks=[...]) give {callback}; method objects go to the Hugging Face Trainer "
+            "(AttnRegTrainer(methods=[...])) and to Runner"
+        )
+
     def require_bound(self) -> nn.Module:
         if self.model is None:
             raise RuntimeError(f"{type(self).__name__} {self.name!r} is used before bind(model)")
