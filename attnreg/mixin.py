@@ -22,6 +22,8 @@ Example:
     ...         return torch.optim.SGD(self.parameters(), lr=0.1)
     >>> module = Classifier(tiny_model("bert", head="classification"))
     >>> module.add_attnreg_term("sharpen", lambda probs, batch: -probs[0].var(), layers=[0])
+    >>> module.attnreg_terms["sharpen"]                 # attnreg.methods.AttentionLoss, on the module's runner
+    AttentionLoss(name='sharpen', layers=(0,), weight=1.0, inputs=False)
     >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "labels": torch.tensor([1])}
     >>> trainer = lightning.Trainer(
     ...     max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
@@ -118,18 +120,6 @@ class AttnRegMixin:
 
         `layers` are the attention layers `fn` reads from `probs` (None = all, () = none); with `inputs`,
         `fn` reads their `LayerInputs` instead (the layers stay on SDPA; see `attnreg.blockwise`).
-
-        Example:
-            >>> import lightning
-            >>> from attnreg.tiny import tiny_model
-            >>> class Module(AttnRegMixin, lightning.LightningModule):
-            ...     def __init__(self):
-            ...         super().__init__()
-            ...         self.model = tiny_model("bert")
-            >>> module = Module()
-            >>> module.add_attnreg_term("spread", lambda probs, batch: probs[1].var(), layers=1)
-            >>> module.attnreg_terms["spread"]
-            AttentionLoss(name='spread', layers=(1,), weight=1.0, inputs=False)
         """
         runner = self.attnreg_runner
         if any(method.name == name for method in runner.methods):
