@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--eval", type=int, default=500)
-    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--repetitions", type=int, default=5, help="of the speed measurement (0: none)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--sparsities", nargs="+", choices=list(SPARSITIES), default=list(SPARSITIES))
     parser.add_argument("--recoveries", nargs="+", choices=RECOVERIES, default=RECOVERIES)
@@ -279,14 +279,19 @@ def main() -> None:
         recovery_batches = lm_batches(tokenizer, texts[-args.recovery * args.batch :], args.batch, args.max_length)
         return importance, gate_batches, recovery_batches
 
-    def importance_groups(importance_batches) -> dict:
-        return group_scores(head_importance(copy.deepcopy(base), importance_batches), groups)
+    scores = {}  # seed -> key/value group scores by head importance on the seed's importance batches
+
+    def importance_groups(seed: int) -> dict:
+        if seed not in scores:
+            batches = schedule(seed)[0]
+            scores[seed] = group_scores(head_importance(copy.deepcopy(base), batches), groups)
+        return scores[seed]
 
     # Speed depends on the architecture only: the unpruned model and each sparsity's importance choice (first seed),
     # measured once per sparsity and kept across resumed runs.
     speed_sparsities = [name for name in SPARSITIES if name in args.sparsities or name in report.get("speed", {})]
-    if any(name not in report.get("speed", {}) for name in speed_sparsities):
-        by_group = importance_groups(schedule(min(args.seeds))[0])
+    if args.repetitions and any(name not in report.get("speed", {}) for name in speed_sparsities):
+        by_group = importance_groups(min(args.seeds))
         kept = {"unpruned": base}
         for name in speed_sparsities:
             kept[name] = pruned_by_groups(base, choose_groups(by_group, "global", SPARSITIES[name]), per_group)
@@ -303,8 +308,8 @@ def main() -> None:
         print(f"seed {seed}: {len(arms) - len(todo)} arms done before, {len(todo)} to run", flush=True)
         if not todo:
             continue
-        importance_batches, gate_batches, recovery_batches = schedule(seed)
-        by_group = importance_groups(importance_batches) if any(c == "importance" for _, c, _ in todo) else None
+        _, gate_batches, recovery_batches = schedule(seed)
+        by_group = importance_groups(seed) if any(c == "importance" for _, c, _ in todo) else None
         pruned = {}  # (sparsity, choice) -> the model that recovers, built when its first arm runs
         for sparsity, choice, kind in todo:
             if (sparsity, choice) not in pruned:
