@@ -135,3 +135,33 @@ def test_weight_schedule_follows_training_progress():
     callback.method.term = recording
     conftest.fit(module, batches(4), [callback])
     assert weights == [0.0, 0.25, 0.5, 0.75]
+
+
+def test_a_setting_read_or_set_on_the_callback_is_refused_naming_the_methods():
+    """The callback only hands its method to the runner: the method holds the settings and state. Reading or setting
+    one of them on the callback is an AttributeError that names the method's (not a silent None, nor a value that
+    the method never reads)."""
+    monitor = attnreg.AttentionMonitor(every_n_steps=5)
+    with pytest.raises(AttributeError, match=r"'AttentionMonitor' object has no attribute 'every_n_steps': read "):
+        monitor.every_n_steps  # noqa: B018
+    with pytest.raises(AttributeError, match=r"`\.method\.every_n_steps`"):
+        getattr(monitor, "every_n_steps")  # noqa: B009
+    assert getattr(monitor, "needs", None) is None and monitor.method.needs == {"gold_trees", "tokenizer"}
+    with pytest.raises(AttributeError, match=r"'AttentionMonitor' object has no setting 'tokenizer': set `\.method"):
+        monitor.tokenizer = "a tokenizer"
+    assert monitor.method.tokenizer is None and "tokenizer" not in vars(monitor)
+    with pytest.raises(AttributeError) as missing:  # an attribute the method lacks too: Python's own message
+        monitor.no_such_setting  # noqa: B018
+    assert str(missing.value) == "'AttentionMonitor' object has no attribute 'no_such_setting'"
+
+    class Mine(attnreg.callbacks.MethodCallback):  # a subclass's own attributes are its own
+        method_class = attnreg.methods.EntropyRegularizer
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen = []
+
+    mine = Mine(weight=0.5)
+    mine.seen.append(1)
+    mine.label = "mine"
+    assert (mine.seen, mine.label, mine.method.weight) == ([1], "mine", 0.5)

@@ -132,14 +132,14 @@ def test_every_callback_together_with_accumulation_bf16_and_a_longer_resume(tmp_
     assert "attnreg/syntax_prior_kl/layer1" in module.logged and "attnreg/syntax_prior_kl/layer0" not in module.logged
     assert "attnreg/entropy_regularizer/layer0" in module.logged
     assert "attnreg/entropy_regularizer/layer1" not in module.logged
-    assert chosen["monitor"].entropy is not None and chosen["monitor"].entropy.isfinite().all()
+    assert chosen["monitor"].method.entropy is not None and chosen["monitor"].method.entropy.isfinite().all()
 
     # FreezeLayers: epoch 0 (steps 0-1) was the first run; from epoch 1 on the embeddings train.
     assert embeddings.requires_grad
     # HeadGating pruned to 6 heads at the end of the resumed run; HeadImportance scored what is left.
     hub = attnreg.attach(module.model)
     assert sum(layer.num_heads for layer in hub.layers) == 6 and not hub.gates
-    assert sorted(len(scores) for scores in chosen["importance"].scores.values()) == sorted(
+    assert sorted(len(scores) for scores in chosen["importance"].method.scores.values()) == sorted(
         layer.num_heads for layer in hub.layers
     )
 

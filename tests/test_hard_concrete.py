@@ -206,8 +206,8 @@ def test_a_lightning_checkpoint_resumes_the_multipliers_and_their_adam_exactly(t
 
     class Watch(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            state = copy.deepcopy(gating.dual_optimizer.state[gating.multipliers])
-            seen[trainer.global_step] = (gating.lambdas, state)
+            state = copy.deepcopy(gating.method.dual_optimizer.state[gating.method.multipliers])
+            seen[trainer.global_step] = (gating.method.lambdas, state)
 
     first = trainer(tmp_path, 4, [gating, Watch(), every_two])
     first.fit(Classifier(tiny_model("bert", head="classification")), DataLoader(batches(4), batch_size=None))
@@ -219,16 +219,16 @@ def test_a_lightning_checkpoint_resumes_the_multipliers_and_their_adam_exactly(t
 
     class Check(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            restored = resumed_gating.dual_optimizer.state[resumed_gating.multipliers]
-            assert torch.equal(resumed_gating.lambdas, lambdas)
+            restored = resumed_gating.method.dual_optimizer.state[resumed_gating.method.multipliers]
+            assert torch.equal(resumed_gating.method.lambdas, lambdas)
             assert restored.keys() == state.keys() and all(torch.equal(restored[k], state[k]) for k in state)
             checked.append(True)
 
     again = trainer(tmp_path, 4, [resumed_gating, Check()])
     fresh = Classifier(tiny_model("bert", head="classification", seed=3))
     again.fit(fresh, DataLoader(batches(4), batch_size=None), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
-    assert checked and again.global_step == 4 and resumed_gating.pruned
-    assert resumed_gating.dual_optimizer.state[resumed_gating.multipliers]["step"] == 4
+    assert checked and again.global_step == 4 and resumed_gating.method.pruned
+    assert resumed_gating.method.dual_optimizer.state[resumed_gating.method.multipliers]["step"] == 4
 
 
 def test_state_saved_before_the_multipliers_had_an_optimizer_still_loads():

@@ -262,8 +262,8 @@ def test_both_adapters_give_the_same_losses(tmp_path):
     assert len(lightning_losses) == len(Recording.losses) == steps
     assert lightning_losses == pytest.approx(Recording.losses, rel=1e-5, abs=1e-6)
     hf_gating = next(method for method in hf.attnreg_methods if isinstance(method, methods.HeadGating))
-    assert callbacks["gating"].removed == hf_gating.removed and sum(map(len, hf_gating.removed.values())) == 3
-    assert torch.equal(callbacks["gating"].lambdas, hf_gating.lambdas) and hf_gating.lambdas[0] != 0
+    assert callbacks["gating"].method.removed == hf_gating.removed and sum(map(len, hf_gating.removed.values())) == 3
+    assert torch.equal(callbacks["gating"].method.lambdas, hf_gating.lambdas) and hf_gating.lambdas[0] != 0
     for name, value in module.model.state_dict().items():
         torch.testing.assert_close(value, hf.model.state_dict()[name], rtol=1e-5, atol=1e-6)
 

@@ -258,13 +258,13 @@ def test_lightning_gates_beside_lora_keep_the_adapters_adam_moments_across_a_rem
                 named = pl_module.model.named_parameters()
                 lora[self.when] = {n: copy.deepcopy(optimizer.state[p]) for n, p in named if "lora_" in n}
 
-    before, after = (lambda t: t.global_step == 2 and not gating.pruned), (lambda t: gating.pruned)
+    before, after = (lambda t: t.global_step == 2 and not gating.method.pruned), (lambda t: gating.method.pruned)
     items = Stream(16).items
     batches = [torch.utils.data.default_collate(items[i : i + 4]) for i in range(0, 16, 4)]
     fit(module, batches, [Take(before), gating, Take(after)])  # `after`: right after the removal, same batch end
-    assert gating.pruned and gating.report.removed
+    assert gating.method.pruned and gating.method.report.removed
     silenced = pruning.silenced_heads(module.model.get_base_model())  # heads the grouped-query rule kept
-    for layer, heads in gating.report.removed.items():
+    for layer, heads in gating.method.report.removed.items():
         kept = [head for head in range(4) if head not in heads]
         rows = (torch.tensor(kept, dtype=torch.long)[:, None] * 8 + torch.arange(8)).reshape(-1)
         groups = sorted({head // 2 for head in kept})

@@ -147,7 +147,7 @@ def test_the_syntax_kl_comment_gives_a_head_map():
     (line,) = [overrides for where, overrides in shown_commands() if where.startswith("attnreg/syntax_prior_kl.yaml")]
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", line)
-    assert instantiate(cfg.attnreg.syntax_prior_kl).heads == {0: [3], 1: [4]}
+    assert instantiate(cfg.attnreg.syntax_prior_kl).method.heads == {0: [3], 1: [4]}
 
 
 # -- attnreg's presets from a user's own Hydra app ------------------------------------------------------
@@ -171,7 +171,7 @@ def test_every_attnreg_preset_composes_and_instantiates_in_a_users_own_app(tmp_p
     assert len(callbacks) == (2 if preset == "composable" else 0 if preset == "none" else 1)
     if preset == "layerwise_lr":  # the documented defaults without the attnreg app's module.* keys
         (llrd,) = callbacks.values()
-        assert llrd.group_options["lr"] == 2.0e-5 and llrd.group_options["weight_decay"] == 0.01
+        assert llrd.method.group_options["lr"] == 2.0e-5 and llrd.method.group_options["weight_decay"] == 0.01
 
 
 def test_the_layerwise_lr_preset_follows_the_attnreg_apps_module_keys():
@@ -179,14 +179,14 @@ def test_the_layerwise_lr_preset_follows_the_attnreg_apps_module_keys():
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", ["attnreg=layerwise_lr", "module.lr=0.5", "module.weight_decay=0.2"])
     llrd = instantiate(cfg.attnreg.layerwise_lr)
-    assert llrd.group_options["lr"] == 0.5 and llrd.group_options["weight_decay"] == 0.2
+    assert llrd.method.group_options["lr"] == 0.5 and llrd.method.group_options["weight_decay"] == 0.2
 
 
 def test_a_users_app_can_set_the_layerwise_lr_presets_values(tmp_path):
     (tmp_path / "app.yaml").write_text(USER_APP)
     with initialize_config_dir(str(tmp_path), version_base="1.3"):
         cfg = compose("app", ["attnreg=layerwise_lr", "attnreg.layerwise_lr.lr=${lr}"])
-    assert instantiate(cfg.attnreg.layerwise_lr).group_options["lr"] == 1.0e-4
+    assert instantiate(cfg.attnreg.layerwise_lr).method.group_options["lr"] == 1.0e-4
 
 
 # -- attnreg-collect says what it looked for -------------------------------------------------------------

@@ -100,7 +100,7 @@ def test_monitor_values_land_in_the_csv_logger(tmp_path):
     logged = [[float(last[key.format(la, h)]) for h in range(4)] for la in range(2)]
     torch.testing.assert_close(torch.tensor(logged), accuracy, rtol=0, atol=1e-6)
     assert float(last["attnreg/attention_monitor/parent_accuracy/best"]) == pytest.approx(float(accuracy.max()))
-    assert monitor.collapses == [] and monitor.entropy.shape == (2, 4)
+    assert monitor.method.collapses == [] and monitor.method.entropy.shape == (2, 4)
 
 
 def test_attention_on_the_first_token_against_a_direct_computation():
@@ -146,8 +146,8 @@ def test_no_collapse_warning_on_a_healthy_model():
         warnings.simplefilter("always")
         trainer = run(Plain(model()), monitor, steps=3)
     assert not [w for w in caught if issubclass(w.category, EntropyCollapseWarning)]
-    assert trainer.global_step == 3 and monitor.collapses == []
-    assert float(monitor.entropy.min()) > 0.5  # random heads attend broadly
+    assert trainer.global_step == 3 and monitor.method.collapses == []
+    assert float(monitor.method.entropy.min()) > 0.5  # random heads attend broadly
 
 
 def test_heatmaps_go_to_tensorboard(tmp_path):

@@ -52,7 +52,7 @@ def test_two_regularizers_of_one_class_both_act():
     flatten = attnreg.EntropyRegularizer(mode="max", layers=[1], weight=1.0)
     module = classifier()
     fit(module, batches(2), [sharpen, flatten])
-    assert (sharpen.name, flatten.name) == ("entropy_regularizer", "entropy_regularizer_2")
+    assert (sharpen.method.name, flatten.method.name) == ("entropy_regularizer", "entropy_regularizer_2")
     assert (
         "attnreg/entropy_regularizer/layer0" in module.logged
         and "attnreg/entropy_regularizer_2/layer1" in module.logged
@@ -271,7 +271,7 @@ def test_supervised_heads_keep_their_original_numbers_after_pruning():
     kl = attnreg.SyntaxPriorKL(layers=[0], heads=[2])
     module = Classifier(model.train())
     kl.setup(None, module, "fit")
-    assert kl.active_heads() == {0: [1]}  # head 2 sits at position 1 once head 0 is gone
+    assert kl.method.active_heads() == {0: [1]}  # head 2 sits at position 1 once head 0 is gone
 
 
 # -- the Lagrangian under gradient accumulation -------------------------------------------------------------------
@@ -293,7 +293,7 @@ def test_lagrangian_multipliers_take_one_step_per_optimizer_step():
 
         class Watch(L.Callback):
             def on_train_batch_end(self, trainer, pl_module, *args):
-                steps.append(gating.lambdas.clone())
+                steps.append(gating.method.lambdas.clone())
 
         trainer_.callbacks.append(Watch())
         trainer_.fit(module, DataLoader(batches(2 * accumulate), batch_size=None))

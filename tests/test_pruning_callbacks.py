@@ -58,7 +58,7 @@ class Snapshot(L.Callback):
         self.optimizer_state = copy.deepcopy(self.optimizer_state)
 
     def on_train_batch_end(self, trainer, pl_module, *args):
-        if self.at_step is not None and trainer.global_step == self.at_step and not self.gating.pruned:
+        if self.at_step is not None and trainer.global_step == self.at_step and not self.gating.method.pruned:
             self._take(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module):
@@ -87,7 +87,7 @@ class AtFinalRound(L.Callback):
         self.gating, self.model = gating, None
 
     def on_train_batch_end(self, trainer, pl_module, *args):
-        if self.gating.pruned and self.model is None:
+        if self.gating.method.pruned and self.model is None:
             self.model = copy.deepcopy(pl_module.model).eval()
 
 
@@ -108,7 +108,7 @@ class Record(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, *args):
         if self.gating is not None:
-            self.targets[trainer.global_step] = self.gating.target(trainer.global_step)
+            self.targets[trainer.global_step] = self.gating.method.target(trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         self.counts[trainer.global_step] = count(pl_module.model)
@@ -129,9 +129,9 @@ def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
     snapshot, record = Snapshot(gating), Record(gating if hard_concrete else None)
     trainer = fit(Classifier(model), batches(8), [snapshot, gating, record])
     assert "attnreg/head_gating" in trainer.callback_metrics
-    assert sum(map(len, gating.removed.values())) == 3 and gating.report.num_removed == 3
+    assert sum(map(len, gating.method.removed.values())) == 3 and gating.method.report.num_removed == 3
     assert count(model) == original - 3 * PARAMETERS_PER_HEAD
-    assert pruning.pruned_heads(model) == {layer: tuple(heads) for layer, heads in gating.removed.items()}
+    assert pruning.pruned_heads(model) == {layer: tuple(heads) for layer, heads in gating.method.removed.items()}
     assert attnreg.hub_of(model).gates == {} and not any(GATE in name for name in model.state_dict())
     # the removed heads are those with the smallest gates at the end (|g|, or the deterministic L0 gate)
     hub = attnreg.hub_of(snapshot.model)
@@ -140,13 +140,13 @@ def test_fit_ends_with_a_smaller_model_equal_to_the_gated_one(family, options):
     else:
         scores = {layer: pruning.hard_concrete(hub, layer).deterministic().detach() for layer in (0, 1)}
     chosen = pruning.select_heads(scores, keep=5)
-    assert gating.removed == {layer: heads for layer, heads in chosen.items() if heads}
+    assert gating.method.removed == {layer: heads for layer, heads in chosen.items() if heads}
     batch = batches(1, seed=50)[0]
-    expected = outputs(close_gates(snapshot.model, gating.removed), batch)
+    expected = outputs(close_gates(snapshot.model, gating.method.removed), batch)
     assert (outputs(model, batch) - expected).abs().max() <= 1e-5
     if hard_concrete:
         assert "attnreg/head_gating/expected_heads" in trainer.callback_metrics
-        assert gating.lambdas.abs().sum() > 0
+        assert gating.method.lambdas.abs().sum() > 0
         # the Lagrangian's target moves from where the gates start (8 heads open with P = 0.973 each) to 5
         # over the first half of the 8 steps
         start = 8 * float(pruning.HardConcreteGate(1).expected_l0())
@@ -160,14 +160,14 @@ def test_grouped_query_heads_the_rule_keeps_are_silenced():
     snapshot = Snapshot(gating)
     with pytest.warns(UserWarning, match="kept requested heads"):  # 3 heads chosen: one group stays
         fit(Classifier(model), batches(6), [snapshot, gating])
-    assert sum(map(len, gating.removed.values())) == 3
-    removed_query = gating.report.num_removed
+    assert sum(map(len, gating.method.removed.values())) == 3
+    removed_query = gating.method.report.num_removed
     assert removed_query % 2 == 0 and removed_query < 3  # whole key/value groups only
-    assert sum(len(kept) for kept in gating.report.kept.values()) == 3 - removed_query
+    assert sum(len(kept) for kept in gating.method.report.kept.values()) == 3 - removed_query
     # a query head costs its q_proj rows and o_proj columns, a key/value group its k_proj and v_proj rows
     assert count(model) == original - removed_query * 2 * 8 * 32 - removed_query // 2 * 2 * 8 * 32
     batch = batches(1, seed=50)[0]
-    expected = outputs(close_gates(snapshot.model, gating.removed), batch)
+    expected = outputs(close_gates(snapshot.model, gating.method.removed), batch)
     assert (outputs(model, batch) - expected).abs().max() <= 1e-5
 
 
@@ -179,7 +179,7 @@ def test_l1_threshold_removes_exactly_the_small_gates():
     gates = attnreg.hub_of(snapshot.model).gates
     small = {layer: [h for h, g in enumerate(gate.tolist()) if abs(g) < 0.8] for layer, gate in gates.items()}
     small = {layer: heads for layer, heads in small.items() if heads}
-    assert small and gating.removed == small
+    assert small and gating.method.removed == small
 
 
 def test_pruning_mid_training_goes_on_with_the_schedule():
@@ -187,7 +187,7 @@ def test_pruning_mid_training_goes_on_with_the_schedule():
     gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(keep=5, after_steps=3))
     trainer = fit(Classifier(model, decay=0.9), batches(6), [gating])
     assert (
-        gating.pruned
+        gating.method.pruned
         and trainer.global_step == 6
         and count(model) == count(tiny_model("bert", head="classification")) - 3 * PARAMETERS_PER_HEAD
     )
@@ -207,14 +207,14 @@ def test_adam_state_of_kept_heads_is_the_sliced_state_at_pruning():
         state = None
 
         def on_train_batch_end(self, trainer, pl_module, *args):
-            if gating.pruned and self.state is None:
+            if gating.method.pruned and self.state is None:
                 optimizer = trainer.optimizers[0]
                 self.state = {n: copy.deepcopy(optimizer.state[p]) for n, p in pl_module.model.named_parameters()}
 
     before, after = Snapshot(gating, at_step=2), After()
     fit(Classifier(model), batches(4), [before, gating, after])
     for layer in (0, 1):
-        kept = [h for h in range(4) if h not in gating.removed.get(layer, [])]
+        kept = [h for h in range(4) if h not in gating.method.removed.get(layer, [])]
         columns = (torch.tensor(kept)[:, None] * 8 + torch.arange(8)).reshape(-1)
         fused = torch.cat([columns, 32 + columns, 64 + columns])
         c_attn = f"transformer.h.{layer}.attn.c_attn.weight"
@@ -233,7 +233,7 @@ def test_resume_from_a_checkpoint_taken_after_pruning(tmp_path):
     path = tmp_path / "pruned.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
-    assert checkpoint[pruning.PRUNED_HEADS] == {str(k): v for k, v in gating.removed.items()}
+    assert checkpoint[pruning.PRUNED_HEADS] == {str(k): v for k, v in gating.method.removed.items()}
 
     class Check(L.Callback):
         def on_fit_start(self, trainer, pl_module):  # weights restored, optimizer not yet
@@ -251,7 +251,7 @@ def test_resume_from_a_checkpoint_taken_after_pruning(tmp_path):
     fresh = Classifier(tiny_model("bert", head="classification", seed=7), decay=0.9)
     resumed = make_trainer(tmp_path, 7, enable_checkpointing=False, callbacks=[Check(), resumed_gating])
     resumed.fit(fresh, DataLoader(batches(8), batch_size=None), ckpt_path=path)
-    assert resumed.global_step == 7 and resumed_gating.pruned
+    assert resumed.global_step == 7 and resumed_gating.method.pruned
     assert pruning.pruned_heads(fresh.model) == pruning.pruned_heads(module.model)
     assert count(fresh.model) == count(module.model)
     assert resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.9**7)
@@ -284,8 +284,8 @@ def test_resume_from_a_checkpoint_taken_while_gating(tmp_path):
     fresh = Classifier(tiny_model("bert", head="classification", seed=3))
     resumed = make_trainer(tmp_path, 4, enable_checkpointing=False, callbacks=[Check(), resumed_gating])
     resumed.fit(fresh, DataLoader(batches(8), batch_size=None), ckpt_path=path)
-    assert resumed.global_step == 4 and resumed_gating.pruned
-    assert sum(map(len, resumed_gating.removed.values())) == 4
+    assert resumed.global_step == 4 and resumed_gating.method.pruned
+    assert sum(map(len, resumed_gating.method.removed.values())) == 4
     assert count(fresh.model) == count(tiny_model("bert", head="classification")) - 4 * PARAMETERS_PER_HEAD
 
 
@@ -294,7 +294,7 @@ def test_removal_after_epochs_and_a_weight_schedule_of_progress(tmp_path):
     # 3 batches an epoch: two epochs, 6 estimated steps
     trainer = make_trainer(tmp_path, 6, enable_checkpointing=False, callbacks=[gating])
     trainer.fit(Classifier(tiny_model("bert", head="classification")), DataLoader(batches(3), batch_size=None))
-    assert gating.pruned and gating.pruned_at_step == 3 and trainer.global_step == 6
+    assert gating.method.pruned and gating.method.pruned_at_step == 3 and trainer.global_step == 6
     # the last logged penalty (step 2, progress 1/3): 0.5 ramped over half of training to 1/3, times the
     # mean |g|, near 1 after 3 steps
     assert float(trainer.callback_metrics["attnreg/head_gating"]) == pytest.approx(1 / 3, rel=0.05)
@@ -310,7 +310,7 @@ def test_a_weight_given_as_a_function_of_progress():
             self.used.append(gating.current_weight())
 
     fit(Classifier(tiny_model("bert", head="classification")), batches(4), [gating, Weights()])
-    assert gating.length.total == 4 and Weights.used == pytest.approx([0.0, 0.05, 0.1, 0.15])  # steps 0-3 of 4
+    assert gating.method.length.total == 4 and Weights.used == pytest.approx([0.0, 0.05, 0.1, 0.15])  # steps 0-3 of 4
     negative = HeadGating(gates=L1Gates(weight=lambda progress: -1.0))
     with pytest.raises(ValueError, match=r"HeadGating weight at step 0: weight must be a finite number >= 0"):
         fit(Classifier(tiny_model("bert", head="classification")), batches(1), [negative])
@@ -320,13 +320,13 @@ def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
     model = tiny_model("bert", head="classification", initializer_range=0.2)
     original = count(model)
     gating = HeadGating(gates=L1Gates(weight=0.1), removal=Removal(milestones=[(0.25, 6), (0.5, 4), (0.75, 3)]))
-    assert gating.removal.keep == 3
+    assert gating.method.removal.keep == 3
 
     class AfterRound(L.Callback):  # placed after HeadGating: the model and optimizer right after round 2
         model = state = None
 
         def on_train_batch_end(self, trainer, pl_module, *args):
-            if len(gating.rounds) == 2 and self.state is None:
+            if len(gating.method.rounds) == 2 and self.state is None:
                 optimizer = trainer.optimizers[0]
                 self.state = {n: copy.deepcopy(optimizer.state[p]) for n, p in pl_module.model.named_parameters()}
                 self.model = copy.deepcopy(pl_module.model)
@@ -336,8 +336,8 @@ def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
     trainer = fit(
         Classifier(model), batches(8), [before_round_2, before_final, gating, after_round_2, at_final, record]
     )
-    assert trainer.global_step == 8 and [r.step for r in gating.rounds] == [2, 4, 6]
-    assert [r.final for r in gating.rounds] == [False, False, True] and gating.pruned_at_step == 6
+    assert trainer.global_step == 8 and [r.step for r in gating.method.rounds] == [2, 4, 6]
+    assert [r.final for r in gating.method.rounds] == [False, False, True] and gating.method.pruned_at_step == 6
     # the model shrinks at each milestone and keeps training at its new size (with one gate per head
     # until the last round folds them)
     kept_after = {1: 8, 2: 6, 3: 6, 4: 4, 5: 4, 6: 3, 7: 3, 8: 3}
@@ -345,8 +345,8 @@ def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
         step: original - (8 - kept) * PARAMETERS_PER_HEAD + (kept if step < 6 else 0)
         for step, kept in kept_after.items()
     }
-    assert [sum(heads for heads, _ in r.report.heads.values()) for r in gating.rounds] == [6, 4, 3]
-    assert sum(map(len, gating.removed.values())) == 5 and count(model) == original - 5 * PARAMETERS_PER_HEAD
+    assert [sum(heads for heads, _ in r.report.heads.values()) for r in gating.method.rounds] == [6, 4, 3]
+    assert sum(map(len, gating.method.removed.values())) == 5 and count(model) == original - 5 * PARAMETERS_PER_HEAD
     assert attnreg.hub_of(model).gates == {} and not any(GATE in name for name in model.state_dict())
     assert "head_gating" not in trainer.lightning_module.attnreg_terms
     # round 2 removed the 2 lowest |g| of the 6 heads left, and sliced (did not reset) the Adam moments
@@ -354,10 +354,10 @@ def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
     hub = attnreg.hub_of(before_round_2.model)
     scores = {layer: gate.detach().abs() for layer, gate in hub.gates.items()}
     chosen = pruning.to_original_numbers(before_round_2.model, pruning.select_heads(scores, keep=4))
-    assert gating.rounds[1].chosen == {layer: heads for layer, heads in chosen.items() if heads}
+    assert gating.method.rounds[1].chosen == {layer: heads for layer, heads in chosen.items() if heads}
     for layer in (0, 1):
         numbers = pruning.head_numbers(before_round_2.model, layer)
-        kept = [i for i, head in enumerate(numbers) if head not in gating.rounds[1].chosen.get(layer, [])]
+        kept = [i for i, head in enumerate(numbers) if head not in gating.method.rounds[1].chosen.get(layer, [])]
         rows = (torch.tensor(kept, dtype=torch.long)[:, None] * 8 + torch.arange(8)).reshape(-1)
         query = f"bert.encoder.layer.{layer}.attention.self.query.weight"
         output = f"bert.encoder.layer.{layer}.attention.output.dense.weight"
@@ -372,7 +372,7 @@ def test_progressive_pruning_at_milestones_keeps_training_and_adam_state():
         assert torch.equal(attnreg.hub_of(after_round_2.model).gates[layer], hub.gates[layer][kept])
     # the last round folds the gates: the pruned model equals the gated one with the chosen gates at 0
     batch = batches(1, seed=50)[0]
-    expected = outputs(close_gates(before_final.model, gating.rounds[2].chosen), batch)
+    expected = outputs(close_gates(before_final.model, gating.method.rounds[2].chosen), batch)
     assert (outputs(at_final.model, batch) - expected).abs().max() <= 1e-5
 
 
@@ -382,17 +382,17 @@ def test_progressive_grouped_query_rounds_choose_silenced_heads_again():
     snapshot, at_final = Snapshot(gating, at_step=3), AtFinalRound(gating)
     with pytest.warns(UserWarning, match="kept requested heads"):
         fit(Classifier(model), batches(4), [snapshot, gating, at_final])
-    first, last = gating.rounds
+    first, last = gating.method.rounds
     assert sum(map(len, first.chosen.values())) == 3  # 8 heads down to 5
     silenced = {layer: heads for layer, heads in first.report.kept.items() if heads}
     assert silenced  # 3 of 4 groups of 2 heads chosen: one group keeps a head, and the other is silenced
     for layer, heads in silenced.items():  # chosen again in the last round, whatever their gates learned
         assert set(heads) <= set(last.chosen[layer])
-    assert sum(map(len, gating.removed.values())) == 5  # 3 heads left doing anything
+    assert sum(map(len, gating.method.removed.values())) == 5  # 3 heads left doing anything
     removed_query = sum(len(heads) for heads in pruning.pruned_heads(model).values())
     assert removed_query % 2 == 0 and 8 - removed_query >= 3
     batch = batches(1, seed=50)[0]
-    expected = outputs(close_gates(snapshot.model, gating.removed), batch)
+    expected = outputs(close_gates(snapshot.model, gating.method.removed), batch)
     assert (outputs(at_final.model, batch) - expected).abs().max() <= 1e-5
 
 
@@ -411,13 +411,13 @@ def test_resume_between_milestones(tmp_path):
     module = Classifier(tiny_model("bert", head="classification"))
     trainer.fit(module, DataLoader(batches(8), batch_size=None))
     checkpoint = torch.load(tmp_path / "epoch=0-step=4.ckpt", weights_only=False)  # after round 1 of 2
-    assert checkpoint[pruning.PRUNED_HEADS] == {str(k): v for k, v in gating.rounds[0].chosen.items()}
+    assert checkpoint[pruning.PRUNED_HEADS] == {str(k): v for k, v in gating.method.rounds[0].chosen.items()}
     resumed_gating = HeadGating(**options)
     fresh = Classifier(tiny_model("bert", head="classification", seed=3))
     resumed = make_trainer(tmp_path, 8, enable_checkpointing=False, callbacks=[resumed_gating])
     resumed.fit(fresh, DataLoader(batches(8), batch_size=None), ckpt_path=tmp_path / "epoch=0-step=4.ckpt")
-    assert [r.step for r in resumed_gating.rounds] == [6] and resumed_gating.pruned
-    assert sum(map(len, resumed_gating.removed.values())) == 4
+    assert [r.step for r in resumed_gating.method.rounds] == [6] and resumed_gating.method.pruned
+    assert sum(map(len, resumed_gating.method.removed.values())) == 4
     assert (
         count(fresh.model)
         == count(module.model)
@@ -460,8 +460,8 @@ def test_head_importance_callback_scores_and_prunes():
     snapshot = Snapshot(HeadGating())
     fit(Classifier(model), batches(3), [snapshot, importance])
     expected = pruning.head_importance(snapshot.model, data)
-    assert all(torch.allclose(importance.scores[layer], expected[layer]) for layer in expected)
-    curve = importance.curve
+    assert all(torch.allclose(importance.method.scores[layer], expected[layer]) for layer in expected)
+    curve = importance.method.curve
     assert curve[0].heads_removed == 0 and len(curve) >= 2
     good = [step for step in curve if step.metric >= 0.5 * curve[0].metric]
     assert pruning.pruned_heads(model) == good[-1].removed
@@ -482,7 +482,7 @@ def test_protected_heads_stay_whatever_their_gates_and_the_prior_keeps_its_head(
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*was pruned")  # the term would say it lost its head
         fit(Classifier(model), data, [prior, gating])
-    assert gating.removed == {0: [0, 2, 3], 1: [0, 1, 2, 3]}
+    assert gating.method.removed == {0: [0, 2, 3], 1: [0, 1, 2, 3]}
     assert pruning.head_numbers(model, 0) == (1,)
 
 

@@ -176,7 +176,9 @@ def test_heads_silenced_by_a_gating_round_stay_silent_while_training_goes_on():
     with pytest.warns(UserWarning, match="silenced"):
         fit(Classifier(model), [batch] * 4, [gating, watch])
     assert watch.seen and all(torch.count_nonzero(seen) == 0 for seen in watch.seen)
-    left = {layer: set(heads) - set(pruned_heads(model).get(layer, ())) for layer, heads in gating.removed.items()}
+    left = {
+        layer: set(heads) - set(pruned_heads(model).get(layer, ())) for layer, heads in gating.method.removed.items()
+    }
     assert silenced_heads(model) == {layer: tuple(sorted(heads)) for layer, heads in left.items() if heads}
 
 

@@ -18,16 +18,17 @@ from typing import Any
 import lightning as L
 from omegaconf import DictConfig
 
+from attnreg.callbacks import MethodCallback
 from attnreg.syntax import SyntaxCollator, check_priors, describe_counts
 
 MONITOR_GOLD_SENTENCES = 64  # how many held-out gold trees a callback that needs "gold_trees" gets
 
-# What an attnreg callback may declare in its class attribute `needs` (a frozenset of these names) and
-# what the app then provides; a callback without `needs` needs nothing from the data.
+# What an attnreg callback's method (or another callback) may declare in its class attribute `needs` (a frozenset of
+# these names) and what the app then provides; one without `needs` needs nothing from the data.
 NEEDS = {
     "prior": "the data module adds the syntax prior to every batch (batch['attnreg_prior'])",
-    "gold_trees": f"up to {MONITOR_GOLD_SENTENCES} held-out sentences with gold trees as `callback.gold_sentences`",
-    "tokenizer": "the data's tokenizer as `callback.tokenizer`",
+    "gold_trees": f"up to {MONITOR_GOLD_SENTENCES} held-out sentences with gold trees as `method.gold_sentences`",
+    "tokenizer": "the data's tokenizer as `method.tokenizer`",
 }
 
 RENAMED_CONFIGS = {
@@ -85,9 +86,20 @@ def attnreg_settings(cfg: DictConfig) -> dict[str, DictConfig]:
     return {name: node for name, node in (cfg.get("attnreg") or {}).items() if node is not None}
 
 
+def settings_of(callback: L.Callback) -> Any:
+    """What holds a callback's settings: an attnreg callback's method, another callback itself.
+
+    Example:
+        >>> import attnreg
+        >>> settings_of(attnreg.SyntaxPriorKL(layers=[0])).layers, isinstance(settings_of(L.Callback()), L.Callback)
+        ([0], True)
+    """
+    return callback.method if isinstance(callback, MethodCallback) else callback
+
+
 def needs_of(callback: L.Callback) -> frozenset[str]:
-    """What `callback` declares it needs from the data (its `needs`; none without one), see `NEEDS`;
-    raises ValueError on a need the app cannot provide.
+    """What `callback` declares it needs from the data (its method's `needs`, or its own for another callback; none
+    without one), see `NEEDS`; raises ValueError on a need the app cannot provide.
 
     Example:
         >>> import attnreg
@@ -96,7 +108,7 @@ def needs_of(callback: L.Callback) -> frozenset[str]:
         >>> needs_of(L.Callback())                    # a callback without `needs` needs nothing
         frozenset()
     """
-    needs = frozenset(getattr(callback, "needs", frozenset()))
+    needs = frozenset(getattr(settings_of(callback), "needs", frozenset()))
     if needs - NEEDS.keys():
         raise ValueError(
             f"{type(callback).__name__} needs {sorted(needs - NEEDS.keys())}, which attnreg-train cannot provide "
@@ -106,7 +118,7 @@ def needs_of(callback: L.Callback) -> frozenset[str]:
 
 
 def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
-    """Give each callback the gold trees and tokenizer its `needs` asks for, unless it was given its own
+    """Give each callback's method the gold trees and tokenizer its `needs` asks for, unless it was given its own
     (the prior is in the batches: the data module builds it when a callback needs it).
 
     Example:
@@ -115,18 +127,18 @@ def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
         >>> data = AgreementDataModule(train=8, val=4, test=100, hard=2)   # gold trees: the 100 test sentences
         >>> monitor = attnreg.AttentionMonitor(every_n_steps=10)
         >>> provide([monitor], data)
-        >>> len(monitor.gold_sentences), monitor.tokenizer is data.tokenizer
+        >>> len(monitor.method.gold_sentences), monitor.method.tokenizer is data.tokenizer
         (64, True)
     """
     callbacks = list(callbacks)
     provide_kinds(callbacks, data)
     for callback in callbacks:
-        needs = needs_of(callback)
-        if "gold_trees" in needs and callback.gold_sentences is None:
+        needs, settings = needs_of(callback), settings_of(callback)
+        if "gold_trees" in needs and settings.gold_sentences is None:
             data.setup("fit")  # idempotent: fit reuses the datasets
-            callback.gold_sentences = (data.tree_sentences() or [])[:MONITOR_GOLD_SENTENCES] or None
-        if "tokenizer" in needs and callback.tokenizer is None:
-            callback.tokenizer = data.tokenizer
+            settings.gold_sentences = (data.tree_sentences() or [])[:MONITOR_GOLD_SENTENCES] or None
+        if "tokenizer" in needs and settings.tokenizer is None:
+            settings.tokenizer = data.tokenizer
 
 
 def provide_kinds(callbacks: Iterable[L.Callback], data: Any) -> dict[str, Any]:
@@ -147,15 +159,13 @@ def provide_kinds(callbacks: Iterable[L.Callback], data: Any) -> dict[str, Any]:
         ...
         ValueError: prior 'attnreg_prior.dependents:nsubj:pass' (dependents:nsubj:pass): relation 'nsubj:pass' never ...
     """
-    readers = [callback for callback in callbacks if "prior" in needs_of(callback)]
-    kinds = {
-        key: prior for callback in readers for key, prior in (getattr(callback, "kind_priors", None) or {}).items()
-    }
+    readers = [settings_of(callback) for callback in callbacks if "prior" in needs_of(callback)]
+    kinds = {key: prior for reader in readers for key, prior in (getattr(reader, "kind_priors", None) or {}).items()}
     collator = data.collator() if kinds and hasattr(data, "collator") else None
     if not isinstance(collator, SyntaxCollator):
         return {}
     collator.kinds.update(kinds)
-    if not any(collator.prior_key in getattr(callback, "batch_keys", ()) for callback in readers):
+    if not any(collator.prior_key in getattr(reader, "batch_keys", ()) for reader in readers):
         collator.prior = None
     data.setup("fit")
     sentences = getattr(getattr(data, "datasets", {}).get("train"), "sentences", None)

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from attnreg.app.decoder_evaluation import decoder_head_report, generation_speed, greedy_continuations, perplexity
 from attnreg.app.evaluation import accuracy, head_report, layer_entropy, pruning_report
-from attnreg.app.settings import attnreg_settings, needs_of
+from attnreg.app.settings import attnreg_settings, needs_of, settings_of
 from attnreg.unwrap import transformers_model
 
 
@@ -216,7 +216,7 @@ def summarize_decoder(
 
 def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | None]:
     """{layer: heads (None = all)} that the callbacks needing the syntax prior (`SyntaxPriorKL`) supervised
-    with it, read from their `layers` and `heads_of` (one without `layers` supervises none).
+    with it, read from their methods' `layers` and `heads_of` (one without `layers` supervises none).
 
     Example:
         >>> import attnreg
@@ -226,8 +226,9 @@ def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | N
     heads: dict[int, list[int] | None] = {}
     for callback in callbacks:
         if "prior" in needs_of(callback):
-            for layer in getattr(callback, "layers", None) or ():
-                heads[layer] = callback.heads_of(layer)
+            method = settings_of(callback)
+            for layer in getattr(method, "layers", None) or ():
+                heads[layer] = method.heads_of(layer)
     return heads
 
 

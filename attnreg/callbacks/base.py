@@ -3,16 +3,11 @@ LightningModule's `attnreg.methods.Runner` (`attnreg.mixin.runner_of`), which do
 
 `MethodCallback(method)` runs any `attnreg.methods.Method` (one of attnreg's, or your own); a subclass names
 its `method_class` and takes that class's arguments (`attnreg.SyntaxPriorKL(...)`); `callback.method` is the
-method. In `setup` each callback adds its method to the runner, which binds it to the module's transformers
-model under a name no other holds (before `configure_optimizers`, so gates exist for it). The first
-attnreg callback of the trainer translates Lightning's hooks into the runner's events, for every method at
-once, with a `Loop`: the training length and, for a method that builds the optimizer, its optimizer and
-learning-rate factor in place of the module's at `on_fit_start`; `on_step_begin` on the first micro-batch
-of each optimizer step, `on_before_optimizer_step`, `on_step_end` once the optimizer stepped, the epoch
-events, `on_fit_end`, `teardown`. Each callback keeps its method's state in Lightning checkpoints. Terms go through
-`attnreg.AttnRegMixin`. Under `DDPStrategy` a method that gives the module new parameters during training
-(a removal of heads) has Lightning's DDP wrapper rebuilt (`Loop.rewrap`); under a sharding strategy or
-DeepSpeed the loop has no `rewrap`.
+method, which holds the settings and state. In `setup` each callback adds its method to the runner, which binds
+it to the module's transformers model under a name no other holds (before `configure_optimizers`, so gates exist
+for it); the first attnreg callback of the trainer sends the runner Lightning's events
+(`attnreg.callbacks.events`). Each callback keeps its method's state in Lightning checkpoints. Terms go through
+`attnreg.AttnRegMixin`.
 
 Example:
     >>> from attnreg.methods import EntropyRegularizer
@@ -28,23 +23,19 @@ Example:
 from __future__ import annotations
 
 import inspect
-import warnings
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.types import LRSchedulerConfig
-from torch.optim.lr_scheduler import LambdaLR
 
-from attnreg.compat import callback_state_key, lightning_rewrap
-from attnreg.methods import Loop, Method, Runner
+from attnreg.callbacks.events import LightningEvents
+from attnreg.compat import callback_state_key
+from attnreg.methods import Method, Runner
 from attnreg.mixin import require_mixin, runner_of
 from attnreg.unwrap import find_transformers_model
 
 
-class MethodCallback(L.Callback):
+class MethodCallback(LightningEvents):
     """Runs one `attnreg.methods.Method` in a Lightning fit, through the module's runner.
 
     Example:
@@ -71,27 +62,46 @@ class MethodCallback(L.Callback):
             self.method = args[0]
         else:
             self.method = self.method_class(*args, **kwargs)
-        self._factor = None
-        self._batch: Any = None
-        self._stepped = -1
+        super().__init__()
         self._trainer: L.Trainer | None = None
 
     def __getattr__(self, name: str) -> Any:
-        """Deprecated: `callback.<setting>` reads `callback.method.<setting>`, with a warning (for one release)."""
-        method = self.__dict__.get("method")
-        if method is None or name.startswith("__") or not hasattr(method, name):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        _warn_moved(self, name)
-        return getattr(method, name)
+        """Only for a missing attribute: an AttributeError that names the method's, where it has one.
+
+        Example:
+            >>> from attnreg.callbacks import EntropyRegularizer
+            >>> EntropyRegularizer(mode="max").mode
+            Traceback (most recent call last):
+            ...
+            AttributeError: 'EntropyRegularizer' object has no attribute 'mode': read `.method.mode` (the method
+            holds the settings and state)
+        """
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}{self._method_hint(name, 'read')}"
+        )
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Deprecated: setting one of the method's settings on the callback sets it on the method, with a warning."""
+        """Refuses a setting of the method set on the callback (the method would never read it).
+
+        Example:
+            >>> from attnreg.callbacks import AttentionMonitor
+            >>> AttentionMonitor().tokenizer = None
+            Traceback (most recent call last):
+            ...
+            AttributeError: 'AttentionMonitor' object has no setting 'tokenizer': set `.method.tokenizer` (the method
+            holds the settings and state)
+        """
+        if not name.startswith("_") and name not in vars(self) and not hasattr(type(self), name):
+            hint = self._method_hint(name, "set")
+            if hint:
+                raise AttributeError(f"{type(self).__name__!r} object has no setting {name!r}{hint}")
+        super().__setattr__(name, value)
+
+    def _method_hint(self, name: str, verb: str) -> str:
         method = self.__dict__.get("method")
-        if method is not None and name in vars(method) and name not in vars(self):
-            _warn_moved(self, name)
-            setattr(method, name, value)
-        else:
-            super().__setattr__(name, value)
+        if method is None or name.startswith("__") or not hasattr(method, name):
+            return ""
+        return f": {verb} `.method.{name}` (the method holds the settings and state)"
 
     @property
     def state_key(self) -> str:
@@ -136,105 +146,6 @@ class MethodCallback(L.Callback):
             raise AttributeError(f"{type(self.method).__name__} has no weight")
         return lambda: self.method.current_weight(self._trainer.global_step if self._trainer is not None else 0)
 
-    # -- Lightning's hooks, translated by the first attnreg callback for the whole runner ------------------
-    def drives(self, trainer: L.Trainer) -> bool:
-        """Whether this callback is the trainer's first attnreg callback (which sends the runner its events)."""
-        return next(c for c in trainer.callbacks if isinstance(c, MethodCallback)) is self
-
-    def loop(self, trainer: L.Trainer, pl_module: L.LightningModule, epoch: int | None = None) -> Loop:
-        """Where the run stands, for the methods' events."""
-        boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
-
-        def log(figures: Mapping[str, float]) -> None:
-            for name, value in figures.items():
-                pl_module.log(f"attnreg/{name}", value, on_step=True, on_epoch=False)
-
-        def report(figures: Mapping[str, float]) -> None:
-            for logger in trainer.loggers:
-                logger.log_metrics(dict(figures), step=trainer.global_step)
-
-        def figure(name: str, image: Any) -> None:
-            for logger in boards:
-                logger.experiment.add_figure(name, image, global_step=trainer.global_step)
-
-        def stop() -> None:
-            trainer.should_stop = True
-
-        return Loop(
-            step=trainer.global_step,
-            epoch=trainer.current_epoch if epoch is None else epoch,
-            optimizers=list(trainer.optimizers),
-            batch=self._batch,
-            output_dir=Path(trainer.default_root_dir),
-            world_size=trainer.world_size,
-            is_main=trainer.is_global_zero,
-            broadcast=lambda value: trainer.strategy.broadcast(value, src=0),
-            rewrap=lightning_rewrap(trainer.strategy),
-            engine=f"Lightning's {type(trainer.strategy).__name__}",
-            log=log,
-            report=report,
-            figure=figure if boards else None,
-            stop=stop,
-        )
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.drives(trainer):
-            return
-        runner = runner_of(pl_module)
-        runner.start(trainer.estimated_stepping_batches)
-        built = runner.optimizer(pl_module)
-        if built is not None:  # replaces the module's, as StochasticWeightAveraging replaces schedulers
-            if len(trainer.optimizers) != 1:
-                raise ValueError(
-                    f"{[type(m).__name__ for m in runner.methods if m.configure_optimizer(pl_module)]} replaces the "
-                    f"module's one optimizer; configure_optimizers returned {len(trainer.optimizers)}"
-                )
-            optimizer, self._factor = built
-            trainer.strategy.optimizers = [optimizer]
-            schedulers = []
-            if self._factor is not None:
-                schedulers = [LRSchedulerConfig(LambdaLR(optimizer, self._factor), interval="step")]
-            trainer.strategy.lr_scheduler_configs = schedulers
-        runner.fit_start(self.loop(trainer, pl_module))
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """After a resume (Lightning restores the optimizer after `on_fit_start`), a built optimizer's groups
-        take the rate of the factor at the restored step: the checkpoint holds the rates of its own length."""
-        if self._factor is None or not self.drives(trainer):
-            return
-        for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
-                group["lr"] = base * self._factor(scheduler.last_epoch)
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
-        if self.drives(trainer) and index % trainer.accumulate_grad_batches == 0:  # an optimizer step's first
-            runner_of(pl_module).step_begin(self.loop(trainer, pl_module))
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if self.drives(trainer):
-            runner_of(pl_module).before_optimizer_step(self.loop(trainer, pl_module))
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, index: int
-    ) -> None:
-        self._batch = runner_of(pl_module).model_inputs(batch)
-        if self.drives(trainer) and trainer.global_step != self._stepped:  # the optimizer stepped on this batch
-            self._stepped = trainer.global_step
-            runner_of(pl_module).step_end(self.loop(trainer, pl_module))
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.drives(trainer):
-            runner_of(pl_module).epoch_begin(self.loop(trainer, pl_module))
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.drives(trainer):
-            runner_of(pl_module).epoch_end(self.loop(trainer, pl_module, epoch=trainer.current_epoch + 1))
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.drives(trainer):
-            runner_of(pl_module).fit_end(self.loop(trainer, pl_module))
-
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" and not self.all_stages:
             return
@@ -250,15 +161,6 @@ class MethodCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.method.load_state_dict(state_dict)
-
-
-def _warn_moved(callback: MethodCallback, name: str) -> None:
-    warnings.warn(
-        f"{type(callback).__name__}.{name} is deprecated: use {type(callback).__name__}.method.{name} (the method's "
-        "setting or state; the callback only hands the method to the runner)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 TermCallback = MethodCallback
