@@ -5,11 +5,10 @@ translating the Trainer's events into the methods' own: `compute_loss` captures 
 and adds their terms (each term's weight means the same whatever the gradient accumulation), figures go to
 the Trainer's training logs (`attnreg/<name>`, averaged over the steps between two logs), a method that
 builds the optimizer replaces the Trainer's (its learning-rate factor, where it has one, the scheduler),
-and `TrainerCallback` events become `on_step_begin`, `on_before_optimizer_step`, `on_step_end`,
-`on_epoch_begin`/`end` and `on_fit_end`, with a `Loop` holding the step, the optimizers, the last batch,
-the output folder and rank 0's choice for every process (`broadcast`). Under DDP (torchrun, accelerate), a
-method that gives the model new parameters during training (a removal of heads) has accelerate's DDP wrapper
-rebuilt (`Loop.rewrap`; `training_step` then runs on the new wrapper); under DeepSpeed or FSDP it cannot.
+and the Trainer's events become the methods' (`attnreg.integrations.hf_events.TrainerEvents`). Under DDP
+(torchrun, accelerate), a method that gives the model new parameters during training (a removal of heads) has
+accelerate's DDP wrapper rebuilt (`Loop.rewrap`; `training_step` then runs on the new wrapper); under DeepSpeed or
+FSDP it cannot.
 
 `AttnRegTrainerMixin` composes with any `Trainer` subclass that computes its loss through `compute_loss`
 (`with_attnreg(SFTTrainer)`); `AttnRegTrainer` is it on the plain `Trainer`. Forwards that are not the
@@ -47,7 +46,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,14 +54,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from attnreg.compat import KeepColumns, no_sync_as, trainer_rewrap
+from attnreg.compat import KeepColumns, no_sync_as
 from attnreg.hub import is_attached, unfolded_saves
-from attnreg.methods import Loop, Method, Runner
+from attnreg.integrations.hf_events import TrainerEvents
+from attnreg.methods import Method, Runner
+from attnreg.methods.runner import STATE_FILE, all_reduce_sum
 
-STATE_FILE = "attnreg_state.json"
+__all__ = ["STATE_FILE", "AttnRegTrainer", "AttnRegTrainerMixin", "with_attnreg"]
 _KEPT_COLUMNS = ("sentence", "label", "labels", "words", "heads", "relations", "text")  # what SyntaxCollator reads
 
 
@@ -82,6 +82,7 @@ class AttnRegTrainerMixin(KeepColumns):
         ...                                   AttentionDropoutSchedule(0.1)])
         >>> [method.name for method in trainer.attnreg_methods]      # bound to the model, each its own name
         ['entropy_regularizer', 'entropy_regularizer_2', 'attention_dropout_schedule']
+        >>> import json
         >>> trainer.save_method_state(args.output_dir)                # as with every checkpoint
         >>> sorted(json.loads(Path(args.output_dir, STATE_FILE).read_text()))
         ['attention_dropout_schedule', 'entropy_regularizer', 'entropy_regularizer_2']
@@ -104,7 +105,7 @@ class AttnRegTrainerMixin(KeepColumns):
         if data is not None and hasattr(data, "__len__") and len(data) == 0:
             raise ValueError("train_dataset is empty: AttnRegTrainer has nothing to train on")
         self.attnreg.bind(self._attnreg_model())  # gates before the optimizer; a refusal leaves the model as it was
-        self.add_callback(_Events(self))
+        self.add_callback(TrainerEvents(self))
 
     @property
     def attnreg_methods(self) -> list[Method]:
@@ -160,7 +161,7 @@ class AttnRegTrainerMixin(KeepColumns):
         over processes (`Runner.window`), so a term's weight does not depend on how rows are split."""
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         several = self.args.world_size > 1
-        self.attnreg.window(batches, self.args.world_size, _all_reduce if several else None)
+        self.attnreg.window(batches, self.args.world_size, all_reduce_sum if several else None)
         return batches, items
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -193,7 +194,7 @@ class AttnRegTrainerMixin(KeepColumns):
             if folder is True:
                 folder = get_last_checkpoint(self.args.output_dir)
             if folder is not None:
-                self._load_method_state(folder)
+                self.attnreg.load_state(folder)
                 self.attnreg.load_structure(folder)  # heads removed before the checkpoint, gates
         self.attnreg.bind(self._attnreg_model())
         try:
@@ -216,18 +217,9 @@ class AttnRegTrainerMixin(KeepColumns):
         if self.args.should_save:
             self.attnreg.save_structure(output_dir, structure)
 
-    def _load_method_state(self, folder: str | os.PathLike) -> None:
-        path = Path(folder, STATE_FILE)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} is missing: the checkpoint was not written by AttnRegTrainer, so the attnreg methods' "
-                "state (training length, and with it every schedule) cannot be restored"
-            )
-        self.attnreg.load_state_dict(json.loads(path.read_text()), str(path))
-
     def save_method_state(self, folder: str | os.PathLike) -> None:
         """Write every method's state to `folder/attnreg_state.json` (done with every checkpoint)."""
-        Path(folder, STATE_FILE).write_text(json.dumps(self.attnreg.state_dict(), indent=2) + "\n")
+        self.attnreg.save_state(folder)
 
     def kept_columns(self) -> tuple[str, ...]:
         """The columns the methods and a `SyntaxCollator` need, kept through `remove_unused_columns=True`."""
@@ -251,80 +243,3 @@ def with_attnreg(trainer_class: type[Trainer]) -> type[Trainer]:
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise TypeError(f"with_attnreg takes a transformers.Trainer subclass, got {trainer_class!r}")
     return type(f"AttnReg{trainer_class.__name__}", (AttnRegTrainerMixin, trainer_class), {})
-
-
-class _Events(TrainerCallback):
-    """The Trainer's events, translated into the methods' (`attnreg.methods.Runner`); each method's state is
-    saved with every checkpoint."""
-
-    def __init__(self, trainer: AttnRegTrainerMixin) -> None:
-        self.trainer = trainer
-        self.control: Any = None
-
-    def loop(self, state: Any, control: Any) -> Loop:
-        trainer, args = self.trainer, self.trainer.args
-        optimizer = trainer.optimizer
-        self.control = control
-
-        def stop() -> None:
-            self.control.should_training_stop = True
-
-        return Loop(
-            step=state.global_step,
-            epoch=round(state.epoch or 0),
-            optimizers=[] if optimizer is None else [getattr(optimizer, "optimizer", optimizer)],  # inside accelerate's
-            batch=trainer._last_inputs,
-            output_dir=Path(args.output_dir),
-            world_size=args.world_size,
-            is_main=args.should_save,
-            broadcast=_broadcast if args.world_size > 1 else _same,
-            rewrap=trainer_rewrap(trainer, trainer._attnreg_replaced) if args.world_size > 1 else None,
-            engine=f"the Trainer ({trainer.accelerator.distributed_type})",
-            log=trainer.attnreg.record,
-            report=lambda figures: trainer.log(dict(figures)),  # the Trainer adds "epoch" to what it logs
-            stop=stop,
-        )
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.attnreg.fit_start(self.loop(state, control))
-
-    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.attnreg.epoch_begin(self.loop(state, control))
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.attnreg.step_begin(self.loop(state, control))
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.attnreg.before_optimizer_step(self.loop(state, control))
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.attnreg.step_end(self.loop(state, control))
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.attnreg.epoch_end(self.loop(state, control))
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.attnreg.fit_end(self.loop(state, control))
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero:
-            self.trainer.save_method_state(Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-def _all_reduce(tensor: torch.Tensor) -> None:
-    """Sum `tensor` over the processes, in place (on the device the process group runs on)."""
-    nccl = torch.distributed.get_backend() == "nccl"
-    moved = tensor.to(torch.device("cuda", torch.cuda.current_device())) if nccl else tensor
-    torch.distributed.all_reduce(moved)
-    tensor.copy_(moved.cpu())
-
-
-def _broadcast(value: Any) -> Any:
-    """Rank 0's `value` on every process (torch.distributed, as accelerate set it up)."""
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]

@@ -56,6 +56,8 @@ from attnreg.records import AttentionRecord
 
 STRUCTURE_FILE = "attnreg_structure.json"
 """The model's structure in a checkpoint folder (`Runner.save_structure`)."""
+STATE_FILE = "attnreg_state.json"
+"""The methods' state in a checkpoint folder (`Runner.save_state`)."""
 MODEL = "attnreg_model"
 """Structure entry: what tells the model apart from another (`model_identity`)."""
 _IDENTITY = (
@@ -390,6 +392,33 @@ class Runner:
         """Every method's state, by name."""
         return {method.name: method.state_dict() for method in self.methods}
 
+    def save_state(self, folder: str | Path) -> None:
+        """Write every method's state into a checkpoint folder (`attnreg_state.json`), for `load_state`.
+
+        Example:
+            >>> import tempfile
+            >>> from attnreg import methods
+            >>> runner, folder = Runner([methods.EntropyRegularizer()]), tempfile.mkdtemp()
+            >>> runner.save_state(folder); sorted(json.loads(Path(folder, STATE_FILE).read_text()))
+            ['entropy_regularizer']
+            >>> Runner([methods.AttentionDropoutSchedule(0.1)]).load_state(folder)
+            Traceback (most recent call last):
+            ...
+            KeyError: ".../attnreg_state.json has no state for the method 'attention_dropout_schedule' (it has ...
+        """
+        Path(folder, STATE_FILE).write_text(json.dumps(self.state_dict(), indent=2) + "\n")
+
+    def load_state(self, folder: str | Path) -> None:
+        """Restore every method's state from a checkpoint folder (`save_state`); a folder without it is refused."""
+        path = Path(folder, STATE_FILE)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: the checkpoint was not written with attnreg's runner (AttnRegTrainer writes it "
+                "with every checkpoint), so the attnreg methods' state (training length, and with it every "
+                "schedule) cannot be restored"
+            )
+        self.load_state_dict(json.loads(path.read_text()), str(path))
+
     def load_state_dict(self, state: Mapping[str, Any], source: str = "the checkpoint") -> None:
         """Restore every method's state; a method without state in `state` is an error naming `source`."""
         for method in self.methods:
@@ -429,6 +458,41 @@ def _check(methods: list[Method]) -> None:
     builders = [type(m).__name__ for m in methods if type(m).configure_optimizer is not Method.configure_optimizer]
     if len(builders) > 1:
         raise ValueError(f"give at most one method that builds the optimizer; got {builders}")
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every process (`torch.distributed`, as torchrun or accelerate set it up); `value` itself
+    on one process. A `Loop.broadcast` for a loop of one's own.
+
+    Example:
+        >>> broadcast_object({"heads": [1, 2]})             # one process
+        {'heads': [1, 2]}
+    """
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_world_size() == 1:
+        return value
+    box = [value]
+    distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    """Sum a CPU `tensor` over the processes, in place (on the device the process group runs on): the `all_reduce`
+    of `Runner.window`.
+
+    Example:
+        >>> import tempfile
+        >>> store = f"file://{tempfile.mkdtemp()}/store"
+        >>> torch.distributed.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+        >>> counts = torch.tensor([6.0, 2.0], dtype=torch.float64)
+        >>> all_reduce_sum(counts); counts                  # one process: the sum is its own
+        tensor([6., 2.], dtype=torch.float64)
+        >>> torch.distributed.destroy_process_group()
+    """
+    nccl = torch.distributed.get_backend() == "nccl"
+    moved = tensor.to(torch.device("cuda", torch.cuda.current_device())) if nccl else tensor
+    torch.distributed.all_reduce(moved)
+    tensor.copy_(moved.cpu())
 
 
 def full_value(value: Any) -> Any:
