@@ -161,7 +161,8 @@ def markdown(report: dict, args) -> str:
     sparsities = [name for name in SPARSITIES if any(name in report["perplexity"][s] for s in seeds)]
     kinds = [kind for kind in RECOVERIES if any(cell(report, s, "unpruned", "", kind) for s in seeds)]
     lines += [
-        f"Seeds {', '.join(seeds)}; gates trained {args.gate_steps} steps beside LoRA r={args.rank}; recovery"
+        f"Seeds {', '.join(seeds) or 'none finished yet'}; gates trained {args.gate_steps} steps beside LoRA"
+        f" r={args.rank}; recovery"
         f" {args.recovery} steps of {args.batch} sentences; perplexity on {setup['eval_sentences']} EWT test sentences."
         " Ratio: pruned perplexity over the unpruned model's after the same recovery (same seed, same batches), mean"
         " (min-max) over the seeds that have both, their count after `n=`; `-`: not run yet.",
