@@ -16,9 +16,27 @@ Evaluated for the base model and every trained one:
 - perplexity of EWT test sentences, each alone;
 - each supervised head's accuracy on its kind: the share of rows (tokens of words with a target at or before them)
   whose most attended key token (the query token itself left out) is a target word's first token.
-Per prior arm, paired differences against the LM arm over seeds (mean ± sd, paired t-test, seeds improved).
+Per prior arm, paired differences against the LM arm over seeds (mean ± sd, paired t-test from 2 seeds on, seeds
+improved). `--eval-sentences N` scores perplexity and the kinds' accuracy on the first N EWT test sentences (default:
+all 2,077); the agreement pairs are always all of them (dev 411, test 388).
 
-    python benchmarks/decoder_agreement.py                   # 5 seeds x 4 arms, 300 steps of 8 (a GPU run)
+Resumable, seed by seed: results.json and results.md are written after every finished (seed, arm); a later command
+into the same folder (`--run`/`--out`) skips the (seed, arm) runs already there, evaluates the base model only if the
+folder has no evaluation of it, and refuses (naming the setting) a folder run with other study settings (steps,
+batch, lr, weight, heads, max length, min words, eval sentences). The summary counts the seeds of each cell and gives
+the paired test only where 2 or more seeds have both arms; `invocations` records each command and its commit.
+
+Not run yet (the figures of the study do not exist). Cost, from a 5-step smoke run on SmolLM2 (`nice -n 10
+python benchmarks/decoder_agreement.py --seeds 0 --steps 5 --eval-sentences 50 --threads 1 --out /tmp/smoke`, 18
+minutes) on the shared 2-core CPU machine at a load average of 6.5-10 from other runs: a training step of 8
+sentences takes 7.6-14 s (the four arms' 5 steps: 70, 38, 56, 58 s), so 300 steps x 4 arms are about 3.7 hours a
+seed; evaluating a trained model takes 58-102 s for all the pairs plus 0.33-0.60 s a sentence for perplexity and
+0.43-0.74 s for the kinds' accuracy (prior arms), about 34 minutes a seed for the 4 arms at `--eval-sentences 500`
+and about 2 hours at the full test set; the base model once per folder (10 minutes at 500). About 4.3 hours a seed
+at `--eval-sentences 500` (5.7 at the full test set), 22 hours for 5 seeds; an idle machine, or 2 threads, is faster.
+
+    python benchmarks/decoder_agreement.py --seeds 0 --eval-sentences 500 --run smollm2   # one seed, 4 arms
+    python benchmarks/decoder_agreement.py --seeds 1 --eval-sentences 500 --run smollm2   # the next, same folder
     python benchmarks/decoder_agreement.py --quick           # tiny random Llama, a few sentences, to a temp folder
     python benchmarks/decoder_agreement.py --pairs-only --run pairs   # no model: pairs, baselines, kind counts
 """
@@ -27,12 +45,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
 import warnings
 
 import numpy as np
 import torch
-from common import add_output_arguments, output_dir, quick_banner, table, write_results
+from common import GIT_AT_START, add_output_arguments, command_line, output_dir, quick_banner, table, write_results
 from decoder_common import has_ewt, load_smollm2, mean_sd, perplexity, pm, quick_model, quick_tokenizer, read_ewt
 
 import attnreg
@@ -160,6 +179,9 @@ def kind_accuracy(model, tokenizer, sentences, kinds, args) -> dict[str, float]:
 
 
 def evaluate(model, tokenizer, data, args, kinds) -> dict:
+    """Agreement pairs of every split (all of them, always); perplexity and the kinds' accuracy on
+    `data["eval"]["test"]` (the first `--eval-sentences` of EWT test); the seconds of each part."""
+    seconds = {}
     started = time.perf_counter()
     out = {
         split: {
@@ -168,9 +190,14 @@ def evaluate(model, tokenizer, data, args, kinds) -> dict:
         }
         for split, pairs in data["pairs"].items()
     }  # fmt: skip
-    out["perplexity"] = perplexity(model, tokenizer, [s.text for s in data["eval"]["test"]], args.eval_batch)
+    seconds["pairs"] = round(time.perf_counter() - started, 1)
+    texts = [s.text for s in data["eval"]["test"]]
+    out["perplexity"] = perplexity(model, tokenizer, texts, args.eval_batch)
+    seconds["perplexity"] = round(time.perf_counter() - started - seconds["pairs"], 1)
     out["kind_accuracy"] = kind_accuracy(model, tokenizer, data["eval"]["test"], kinds, args) if kinds else {}
+    seconds["kind_accuracy"] = round(time.perf_counter() - started - seconds["pairs"] - seconds["perplexity"], 1)
     out["seconds"] = round(time.perf_counter() - started, 1)
+    out["seconds_by_part"] = seconds
     return out
 
 
@@ -178,57 +205,95 @@ def evaluate(model, tokenizer, data, args, kinds) -> dict:
 
 
 def paired_test(differences: list[float]) -> dict:
-    """Mean ± sd of per-seed differences, a two-sided paired t-test (p; None below 2 seeds) and seeds above 0."""
+    """Mean ± sd of per-seed differences, seeds above 0 and, from 2 seeds on, a two-sided paired t-test (`p`; None
+    when every difference is the same). One seed: the difference alone (`mean`, `sd` None, no test)."""
     from scipy import stats
 
     out = mean_sd(differences)
-    spread = np.std(differences, ddof=1) if len(differences) > 1 else 0.0
-    out["p"] = float(stats.ttest_1samp(differences, 0.0).pvalue) if len(differences) > 1 and spread > 0 else None
     out["seeds_up"] = sum(d > 0 for d in differences)
+    if len(differences) < 2:
+        out["sd"], out["p"] = None, None
+        return out
+    spread = np.std(differences, ddof=1)
+    out["p"] = float(stats.ttest_1samp(differences, 0.0).pvalue) if spread > 0 else None
     return out
 
 
-def summarize(report: dict, args) -> dict:
+def seeds_of(runs: dict, arm: str) -> list[str]:
+    """The seeds (as the report's keys) that have a finished run of `arm`, in order."""
+    return sorted((seed for seed, done in runs.items() if arm in done), key=int)
+
+
+def summarize(report: dict) -> dict:
+    """Per arm with at least one finished seed: its seeds, the mean ± sd over them and, for a prior arm, the paired
+    differences against the LM arm over the seeds that have both (a partial grid is summarized as it stands)."""
     runs = report["runs"]
-    seeds = [str(seed) for seed in args.seeds]
-    names = list(runs[seeds[0]])
     summary: dict = {}
-    for arm in names:
-        entry: dict = {}
+    for arm in report["setup"]["arms"]:
+        seeds = seeds_of(runs, arm)
+        if not seeds:
+            continue
+        paired = [s for s in seeds if arm != "lm" and "lm" in runs[s]]
+        entry: dict = {"seeds": [int(s) for s in seeds], "paired_seeds": [int(s) for s in paired]}
         for split in report["setup"]["pairs"]:
             for part in SPLITS:
                 values = [runs[s][arm]["eval"][split]["accuracy"][part] for s in seeds]
-                if None not in values:
-                    entry[f"{split}_{part}"] = mean_sd([100 * v for v in values])
-                    if arm != "lm":
-                        lm = [runs[s]["lm"]["eval"][split]["accuracy"][part] for s in seeds]
-                        entry[f"{split}_{part}_paired"] = paired_test(
-                            [100 * (a - b) for a, b in zip(values, lm, strict=True)]
-                        )
+                if None in values:
+                    continue
+                entry[f"{split}_{part}"] = mean_sd([100 * v for v in values])
+                if paired:
+                    lm = [runs[s]["lm"]["eval"][split]["accuracy"][part] for s in paired]
+                    ours = [runs[s][arm]["eval"][split]["accuracy"][part] for s in paired]
+                    entry[f"{split}_{part}_paired"] = paired_test(
+                        [100 * (a - b) for a, b in zip(ours, lm, strict=True)]
+                    )
         entry["perplexity"] = mean_sd([runs[s][arm]["eval"]["perplexity"]["perplexity"] for s in seeds])
-        if arm != "lm":
+        if paired:
             ratios = [
                 runs[s][arm]["eval"]["perplexity"]["perplexity"] / runs[s]["lm"]["eval"]["perplexity"]["perplexity"]
-                for s in seeds
+                for s in paired
             ]
             entry["perplexity_ratio"] = mean_sd(ratios)
-            heads_ = runs[seeds[0]][arm]["eval"]["kind_accuracy"]
+        if arm != "lm":
+            names = runs[seeds[0]][arm]["eval"]["kind_accuracy"]
             entry["kind_accuracy"] = {
-                name: mean_sd([runs[s][arm]["eval"]["kind_accuracy"][name] for s in seeds]) for name in heads_
+                name: mean_sd([runs[s][arm]["eval"]["kind_accuracy"][name] for s in seeds]) for name in names
             }
         summary[arm] = entry
     return summary
 
 
+def shown_paired(paired: dict | None) -> str:
+    """A paired difference for the table: with its test from 2 seeds on, else the one seed's difference."""
+    if paired is None:
+        return ""
+    count = len(paired["values"])
+    if count < 2:
+        return f"{paired['mean']:+.1f} (1 seed, no test)"
+    test = f"p {paired['p']:.2g}, " if paired["p"] is not None else ""
+    return f"{pm(paired)} ({test}{paired['seeds_up']}/{count} up)"
+
+
 def markdown(report: dict, args) -> str:
     base, summary, setup = report["base"], report["summary"], report["setup"]
+    settings = setup["settings"]
+    grid = {arm: entry["seeds"] for arm, entry in summary.items()}
+    complete = len(grid) == len(setup["arms"]) and all(seeds == grid["lm"] for seeds in grid.values())
+    eval_sentences = settings["eval_sentences"]
+    perplexity_on = "all of EWT test" if eval_sentences is None else f"the first {eval_sentences} EWT test sentences"
     lines = [
         f"# Priors a decoder can use: nsubj prior and agreement ({setup['model']})",
         "",
         *quick_banner(args.quick),
-        f"Fine-tuned as a causal LM on EWT training sentences ({args.steps} steps of {args.batch}, AdamW lr "
-        f"{args.lr:g}, prior weight {args.weight:g}, max {args.max_length} tokens), seeds {args.seeds} paired (same "
-        f"batches in every arm). Arms: {', '.join(f'{name} = {kinds}' for name, kinds in setup['arms'].items())}.",
+        f"Fine-tuned as a causal LM on EWT training sentences ({settings['steps']} steps of {settings['batch']}, AdamW "
+        f"lr {settings['lr']:g}, prior weight {settings['weight']:g}, max {settings['max_length']} tokens), paired "
+        "seeds (same batches in every arm). Arms: "
+        + ", ".join(f"{arm} = {kinds}" for arm, kinds in setup["arms"].items())
+        + ".",
+        "",
+        "Seeds finished per arm: " + "; ".join(f"{arm} {seeds}" for arm, seeds in grid.items())
+        + ("" if complete else " (a partial grid: paired figures over the seeds that have both arms)")
+        + ". Paired tests from 2 seeds on.",
         "",
         "Prior kinds on the training sentences:",
         "",
@@ -236,7 +301,7 @@ def markdown(report: dict, args) -> str:
         "",
         "## Agreement minimal pairs (accuracy %, mean ± sd over seeds)",
         "",
-    ]
+    ]  # fmt: skip
     for split, count in setup["pairs"].items():
         lines.append(
             f"EWT {split}: {count['without_attractors']} pairs without attractors, {count['with_attractors']} with. "
@@ -251,48 +316,80 @@ def markdown(report: dict, args) -> str:
         rows.append(
             [
                 f"base ({split})",
+                "",
                 *[f"{100 * base[split]['accuracy'][part]:.1f}" if base[split]["accuracy"][part] is not None else ""
                   for part in SPLITS],
                 "",
             ]
         )  # fmt: skip
         for arm, entry in summary.items():
-            row = [f"{arm} ({split})"]
+            row = [f"{arm} ({split})", len(entry["seeds"])]
             for part in SPLITS:
                 row.append(pm(entry[f"{split}_{part}"]) if f"{split}_{part}" in entry else "")
-            paired = entry.get(f"{split}_with_attractors_paired")
-            row.append(
-                ""
-                if paired is None
-                else f"{pm(paired)} (p {paired['p']:.2g}, {paired['seeds_up']}/{len(args.seeds)} up)"
-                if paired["p"] is not None
-                else f"{pm(paired)} ({paired['seeds_up']}/{len(args.seeds)} up)"
-            )
+            row.append(shown_paired(entry.get(f"{split}_with_attractors_paired")))
             rows.append(row)
-    lines += table(["model", "without attractors", "with attractors", "all", "with attractors - LM (paired)"], rows)
-    lines += ["", "## Perplexity (EWT test) and the supervised heads on their kind (EWT test, % of rows)", ""]
-    rows = [["base", f"{base['perplexity']['perplexity']:.2f}", "", ""]]
+    header = ["model", "seeds", "without attractors", "with attractors", "all", "with attractors - LM (paired)"]
+    lines += table(header, rows)
+    lines += [
+        "",
+        f"## Perplexity and the supervised heads on their kind ({perplexity_on}, % of rows)",
+        "",
+    ]
+    rows = [["base", "", f"{base['perplexity']['perplexity']:.2f}", "", ""]]
     for arm, entry in summary.items():
         ratio = f"{pm(entry['perplexity_ratio'], 100, 2)}%" if "perplexity_ratio" in entry else ""
         heads_ = "; ".join(
             f"{name} {pm(value)} (base {base['kind_accuracy'].get(name, float('nan')):.1f})"
             for name, value in entry.get("kind_accuracy", {}).items()
         )
-        rows.append([arm, pm(entry["perplexity"], digits=2), ratio, heads_])
-    lines += table(["model", "perplexity", "perplexity / LM", "supervised heads: accuracy on their kind"], rows)
+        rows.append([arm, len(entry["seeds"]), pm(entry["perplexity"], digits=2), ratio, heads_])
+    lines += table(
+        ["model", "seeds", "perplexity", "perplexity / LM", "supervised heads: accuracy on their kind"], rows
+    )
+    runs = report["runs"]
     lines += [
         "",
-        "Training time per run (s, median): "
+        "Seconds per run (median over seeds, training / evaluation): "
         + "; ".join(
-            f"{arm} {np.median([report['runs'][str(s)][arm]['train']['seconds'] for s in args.seeds]):.0f}"
+            f"{arm} {np.median([runs[s][arm]['train']['seconds'] for s in seeds_of(runs, arm)]):.0f} / "
+            f"{np.median([runs[s][arm]['eval']['seconds'] for s in seeds_of(runs, arm)]):.0f}"
             for arm in summary
-        ),
+        )
+        + f"; base model evaluation {base['seconds']:.0f}.",
         "",
     ]
     return "\n".join(lines)
 
 
 # --- main ------------------------------------------------------------------------------------------------------
+
+# The settings that make a run folder's figures comparable: every (seed, arm) merged into one results.json has them.
+STUDY = ("steps", "batch", "lr", "weight", "one", "few", "parent", "max_length", "min_words", "eval_sentences", "quick")
+
+
+def study_settings(args) -> dict:
+    return json.loads(json.dumps({name: getattr(args, name) for name in STUDY}))
+
+
+def resume(args) -> dict | None:
+    """The report already in the run folder (`--out`/`--run`), to add this command's seeds and arms to; None for a
+    new folder. Exits naming the setting when the folder was run with other study settings (`STUDY`)."""
+    path = args.out / "results.json"
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    settings = report.get("setup", {}).get("settings")
+    if settings is None or "runs" not in report:
+        raise SystemExit(
+            f"{path} holds no resumable study (no recorded settings); write this run to another folder (--run, --out)"
+        )
+    for name, value in study_settings(args).items():
+        if settings.get(name) != value:
+            raise SystemExit(
+                f"{path} was run with {name}={settings.get(name)!r}, this command has {name}={value!r}: give the "
+                f"same settings to add seeds to that run (--{name.replace('_', '-')}), or another folder (--run, --out)"
+            )
+    return report
 
 
 def load(args) -> tuple:
@@ -337,6 +434,12 @@ def pairs_only(args) -> None:
     print("\n".join(lines))
 
 
+def invocation(args, done: list[str]) -> dict:
+    """What this command added to the run folder, and the code that made it."""
+    git = {key: GIT_AT_START.get(key) for key in ("commit", "dirty")}
+    return {"command": command_line(), "git": git, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "done": done}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -349,11 +452,20 @@ def main() -> None:
     parser.add_argument("--parent", default="15:3", help="the parent-prior head(s) of the nsubj_parent arm")
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--min-words", type=int, default=5, help="training sentences with at least this many words")
+    parser.add_argument(
+        "--eval-sentences",
+        type=int,
+        default=None,
+        help="perplexity and the kinds' accuracy on the first N EWT test sentences (default: all 2,077); the "
+        "agreement pairs are always all of them",
+    )
     parser.add_argument("--eval-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--pairs-only", action="store_true", help="no model: pair counts, baselines, kind counts")
     add_output_arguments(parser, "tiny random Llama, 64 EWT training sentences, 2 steps, 1 seed")
     args = parser.parse_args()
+    if args.eval_sentences is not None and args.eval_sentences < 1:
+        parser.error(f"--eval-sentences must be at least 1, got {args.eval_sentences}")
     args.out = output_dir(args, "decoder_agreement")
     if args.pairs_only:
         return pairs_only(args)
@@ -362,58 +474,71 @@ def main() -> None:
         args.eval_batch = 16
     if args.threads:
         torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    model, tokenizer, train_sentences, evaluation, description = load(args)
+    earlier = resume(args)
     chosen_arms = arms(args)
+    finished = (earlier or {}).get("runs", {})
+    to_run = [(seed, arm) for seed in args.seeds for arm in chosen_arms if arm not in finished.get(str(seed), {})]
+    if earlier is not None:
+        print(f"{args.out}: adding {len(to_run)} (seed, arm) runs to the {sum(map(len, finished.values()))} done")
+    if earlier is not None and not to_run:
+        print("nothing to run: every (seed, arm) asked for is in the folder already")
+        return
+    model, tokenizer, train_sentences, evaluation, description = load(args)
+    pairs = {split: minimal_pairs(sentences) for split, sentences in evaluation.items()}  # always all of them
+    evaluation["test"] = evaluation["test"][: args.eval_sentences]
     all_kinds = {spec: None for kinds in chosen_arms.values() if kinds for spec in kinds}
     probe = SyntaxPriorKL(kinds={spec: [0] for spec in all_kinds})
     counts = check_priors(train_sentences, probe.kind_priors, causal=True)
     print(describe_counts(counts, causal=True), flush=True)
-    data = {"eval": evaluation, "pairs": {split: minimal_pairs(sentences) for split, sentences in evaluation.items()}}
+    data = {"eval": evaluation, "pairs": pairs}
     every_head = {spec: {} for spec in all_kinds}
     for kinds in chosen_arms.values():
         for spec, chosen in (kinds or {}).items():
             for layer, heads_ in chosen.items():
                 every_head[spec][layer] = sorted({*every_head[spec].get(layer, []), *heads_})
-    print(f"{description}: {len(train_sentences)} training sentences; evaluating the base model", flush=True)
-    base = evaluate(model, tokenizer, data, args, every_head)
-    runs: dict = {}
-    for seed in args.seeds:
-        order = np.random.default_rng(seed).permutation(len(train_sentences))
-        chosen = [train_sentences[i] for i in np.resize(order, args.steps * args.batch)]
-        runs[str(seed)] = {}
-        for arm, kinds in chosen_arms.items():
-            trained, log = train(model, tokenizer, chosen, args, seed, kinds)
-            result = evaluate(trained, tokenizer, data, args, kinds)
-            runs[str(seed)][arm] = {"train": log, "eval": result}
-            shown = ", ".join(
-                f"{split} {100 * result[split]['accuracy']['with_attractors']:.1f}"
-                for split in data["pairs"]
-                if result[split]["accuracy"]["with_attractors"] is not None
-            )
-            print(
-                f"  seed {seed} {arm}: with attractors {shown}; perplexity {result['perplexity']['perplexity']:.2f}; "
-                f"{result['kind_accuracy']} (train {log['seconds']:.0f} s, eval {result['seconds']:.0f} s)",
-                flush=True,
-            )
-            del trained
-    report = {
+    report = earlier or {
         "setup": {
             "model": description,
             "arms": {name: kinds for name, kinds in chosen_arms.items()},
+            "settings": study_settings(args),
             "kind_counts": describe_counts(counts, causal=True),
             "train_sentences_pool": len(train_sentences),
-            "pairs": {split: base[split]["counts"] for split in data["pairs"]},
+            "eval_sentences": len(evaluation["test"]),
             "quick": args.quick,
         },
-        "base": base,
-        "runs": runs,
-        "seconds": round(time.perf_counter() - started, 1),
+        "runs": {},
+        "invocations": [],
     }
-    report["summary"] = summarize(report, args)
-    text = markdown(report, args)
-    write_results(args.out, report, text, args)
-    print(text)
+    report.pop("meta", None)  # write_results puts this command's first
+    done: list[str] = []
+    report["invocations"].append(invocation(args, done))
+    if "base" not in report:  # once per run folder
+        print(f"{description}: {len(train_sentences)} training sentences; evaluating the base model", flush=True)
+        report["base"] = evaluate(model, tokenizer, data, args, every_head)
+        report["setup"]["pairs"] = {split: report["base"][split]["counts"] for split in data["pairs"]}
+    for seed, arm in to_run:
+        order = np.random.default_rng(seed).permutation(len(train_sentences))
+        chosen = [train_sentences[i] for i in np.resize(order, args.steps * args.batch)]
+        trained, log = train(model, tokenizer, chosen, args, seed, chosen_arms[arm])
+        result = evaluate(trained, tokenizer, data, args, chosen_arms[arm])
+        del trained
+        log["git"] = GIT_AT_START.get("commit")
+        report["runs"].setdefault(str(seed), {})[arm] = {"train": log, "eval": result}
+        report["runs"] = dict(sorted(report["runs"].items(), key=lambda item: int(item[0])))
+        done.append(f"{seed}/{arm}")
+        shown = ", ".join(
+            f"{split} {100 * result[split]['accuracy']['with_attractors']:.1f}"
+            for split in data["pairs"]
+            if result[split]["accuracy"]["with_attractors"] is not None
+        )
+        print(
+            f"  seed {seed} {arm}: with attractors {shown}; perplexity {result['perplexity']['perplexity']:.2f}; "
+            f"{result['kind_accuracy']} (train {log['seconds']:.0f} s, eval {result['seconds']:.0f} s)",
+            flush=True,
+        )
+        report["summary"] = summarize(report)
+        write_results(args.out, report, markdown(report, args), args)  # after every (seed, arm): resumable
+    print(markdown(report, args))
 
 
 if __name__ == "__main__":
