@@ -43,7 +43,9 @@ Saved for backward: the bytes of the distinct storages autograd keeps in one ste
 (not measured for compiled steps, whose saved tensors the hooks do not see). The blockwise variants' saved
 bytes are also measured at 512, 1,024 and 2,048 tokens (batch 1) to show they grow linearly in T. Last,
 `torch.profiler` splits the steps of `sdpa`, `kl_head` and `entropy_all` by aten op (self CPU time), to
-show where a regularized step's extra time goes (`--breakdown-only` runs just that).
+show where a regularized step's extra time goes (`--breakdown-only` runs just that; with `--analysis-tokens T` it also
+splits the blockwise head statistics against a forward at T tokens; `--layers N` and `--tokens T` reduce a shape,
+e.g. `--shape smollm2 --layers 4 --tokens 2048 --breakdown-only --analysis-tokens 8192`, the `smollm2_profile` run).
 
 Compiled at SmolLM2's shape (`--shape smollm2 --compiled`; `--quick --compiled` at the quick shape, a few minutes):
 `compiled_sdpa`, `compiled_kl_head` and `compiled_entropy_all`, and the graph breaks each regularizer adds to the plain
@@ -409,30 +411,68 @@ def breakdown(shape: Shape, family: str, tokens: int, batch_size: int, variants:
     for name in variants:
         model, step = build(name, base)
         train_step(model, step, batch)  # warm-up
-        per_op: dict[str, list[float]] = {}
-        for _ in range(reps):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-                train_step(model, step, batch)
-            for event in profile.key_averages():
-                per_op.setdefault(event.key, []).append(event.self_cpu_time_total / 1000)
-        table_ms[name] = {op: statistics.median(times + [0.0] * (reps - len(times))) for op, times in per_op.items()}
+        table_ms[name] = profiled(lambda: train_step(model, step, batch), reps)  # noqa: B023 (called at once)
     return {"model": family, "tokens": tokens, "batch": batch_size, "self_ms": table_ms}
 
 
+def analysis_breakdown(shape: Shape, tokens: int, reps: int) -> dict:
+    """Self CPU time per aten op (ms, median over `reps` profiled runs) of a plain no-grad forward of the shape's base
+    model (`sdpa`) and of the blockwise head statistics (`attnreg.analysis.head_statistics(..., blockwise=True)`) on one
+    sequence of `tokens`: where the analysis's time goes, as `benchmarks/decoder_analysis.py` times it."""
+    from attnreg.analysis import head_statistics
+    from attnreg.app.task import build_tokenizer
+
+    tokenizer = build_tokenizer([f"w{i}" for i in range(64)])
+    model = tiny_model(next(iter(shape.families)), **shape.sizes).eval()
+    ids = torch.randint(5, len(tokenizer), (1, tokens), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    runs = {
+        "sdpa": lambda: model(**batch, use_cache=False),
+        "analysis": lambda: head_statistics(model, tokenizer, [batch], blockwise=True),
+    }
+    table_ms: dict[str, dict[str, float]] = {}
+    with torch.no_grad():
+        for name, run in runs.items():
+            run()  # warm-up (and attaching the hub)
+            table_ms[name] = profiled(run, reps)
+    return {"model": "analysis", "tokens": tokens, "batch": 1, "self_ms": table_ms}
+
+
+def profiled(run: Callable[[], object], reps: int) -> dict[str, float]:
+    """Self CPU ms per aten op of `run`, the median over `reps` profiled calls."""
+    per_op: dict[str, list[float]] = {}
+    for _ in range(reps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            run()
+        for event in profile.key_averages():
+            per_op.setdefault(event.key, []).append(event.self_cpu_time_total / 1000)
+    return {op: statistics.median(times + [0.0] * (reps - len(times))) for op, times in per_op.items()}
+
+
 def breakdown_markdown(entry: dict, top: int = 12) -> list[str]:
-    """The ops that grow most from `sdpa` to each other variant."""
+    """The ops that grow most from `sdpa` to each other variant, each with its share of that variant's own profiled
+    step: shares within one profile hold on a busy machine, where the absolute times, and any difference between two
+    profiles taken under different loads, do not."""
     sdpa = entry["self_ms"]["sdpa"]
     lines = [f"Where the time goes: {entry['model']}, {entry['tokens']} tokens (self CPU ms per step)", ""]
     for name, ops in entry["self_ms"].items():
         if name == "sdpa":
             continue
+        own = sum(ops.values())
         growth = sorted(ops, key=lambda op: ops[op] - sdpa.get(op, 0.0), reverse=True)[:top]
         rows = [
-            [op, f"{sdpa.get(op, 0.0):.1f}", f"{ops[op]:.1f}", f"{ops[op] - sdpa.get(op, 0.0):+.1f}"] for op in growth
+            [op, f"{sdpa.get(op, 0.0):.1f}", f"{ops[op]:.1f}", f"{ops[op] - sdpa.get(op, 0.0):+.1f}"]
+            + [f"{100 * ops[op] / own:.1f}%"]
+            for op in growth
         ]
-        total = sum(ops.values()) - sum(sdpa.values())
-        lines += [f"`{name}`: {total:+.0f} ms per step over `sdpa` in all ops", ""]
-        lines += table(["op", "sdpa", name, "difference"], rows) + [""]
+        new = sum(time for op, time in ops.items() if sdpa.get(op, 0.0) == 0.0)
+        lines += [
+            f"`{name}`: {own:.0f} ms of self CPU time against `sdpa`'s {sum(sdpa.values()):.0f} (profiled one after "
+            "the other: on a busy machine compare shares, not times); the ops `sdpa` never runs take "
+            f"{100 * new / own:.1f}% of this step",
+            "",
+        ]
+        lines += table(["op", "sdpa", name, "difference", f"share of {name}'s step"], rows) + [""]
     return lines
 
 
@@ -479,7 +519,7 @@ def markdown(results: dict) -> str:
                 + [saved, saved_ratio]
             )
     header = ["model", "tokens", "batch", "variant", "step ms", "reps", "x SDPA", "x compiled SDPA", "saved MB"]
-    lines += table(header + ["saved x SDPA"], rows, "lrrlrrrrrr")
+    lines += table(header + ["saved x SDPA"], rows, "lrrlrrrrrr") if rows else []  # none in a --breakdown-only run
     for config in results["configs"]:
         for name, entry in config.get("graph_breaks", {}).items():
             added = "; ".join(entry["added"]) or "none"
@@ -531,6 +571,14 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds since start after which no repetition begins that would not end in time",
     )
     parser.add_argument("--merge", nargs="+", default=None, help="pool these results.json files into one table")
+    parser.add_argument("--layers", type=int, default=None, help="the shape with this many layers (a reduced shape)")
+    parser.add_argument("--tokens", type=int, default=None, help="this many tokens, batch 1, instead of the shape's")
+    parser.add_argument(
+        "--analysis-tokens",
+        type=int,
+        default=None,
+        help="with --breakdown-only: also profile the blockwise head statistics against a forward at this length",
+    )
     parser.add_argument(
         "--breakdown-only",
         action="store_true",
@@ -551,6 +599,14 @@ def main(argv: list[str] | None = None) -> None:
     reps = args.reps if args.reps is not None else (3 if args.quick else 5)
     name = args.shape or ("smollm2" if args.quick else "minilm")
     shape = SHAPES[name].quick() if args.quick else SHAPES[name]
+    if args.layers is not None:
+        shape = replace(shape, sizes={**shape.sizes, "layers": args.layers})
+    if args.tokens is not None:
+        shape = replace(
+            shape,
+            configs=((args.tokens, 1),),
+            sizes={**shape.sizes, "positions": max(args.tokens, shape.sizes["positions"])},
+        )
     configs = shape.configs
     variants = tuple(args.variants.split(",")) if args.variants else None
     lengths = (64, 128) if args.quick else (512, 1024, 2048)
@@ -564,6 +620,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {"quick": args.quick, "shape": shape.name, "reps": reps, "threads": args.threads}
     results |= {"cpus": os.cpu_count(), "sizes": shape.sizes}
     if args.breakdown_only:
+        if args.analysis_tokens:
+            analysis_shape = replace(shape, sizes={**shape.sizes, "positions": args.analysis_tokens})
+            breakdowns.append(analysis_breakdown(analysis_shape, args.analysis_tokens, reps))
         results |= {"configs": [], "growth": [], "breakdown": breakdowns}
         text = markdown(results)
         write_results(output_dir(args, "overhead"), results, text, args)
