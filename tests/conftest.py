@@ -28,11 +28,12 @@ def main_output(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output.last_hidden_state
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One torch thread for a module of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): they
-    run fastest on one, and on two threads of a busy 2-core machine several times slower (tests/test_lora_pruning.py:
-    33 s on two, 7 s on one); the thread count is restored after the module."""
+    """One torch thread for every test module (autouse; the thread count is restored after the module): the tests'
+    tiny models run fastest on one, and on two threads of a busy 2-core machine many times slower
+    (tests/test_mixin.py, test_callbacks.py, test_analysis.py, test_hub.py together: 92-237 s on two threads,
+    6-16 s on one, interleaved runs). Subprocesses (the distributed tests) set their own."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

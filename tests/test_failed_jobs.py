@@ -13,7 +13,6 @@ import pytest
 from attnreg.app import collect
 from attnreg.app.train import main
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = ["data.val=32", "data.test=16", "data.hard=16", "trainer.max_epochs=1", "attnreg=none"]
 QUIET = ["trainer.enable_progress_bar=False", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 

@@ -17,7 +17,6 @@ from attnreg.app.train import main as train_main
 from attnreg.app.view import main as view_main
 from attnreg.app.view import view_run
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 pytest.importorskip("peft")
 
 
