@@ -55,7 +55,12 @@ class FailedJobs(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status != JobStatus.FAILED or config.hydra.mode != RunMode.MULTIRUN:
             return
-        error = job_return._return_value  # the job's exception (`return_value` raises it, and logs it once more)
+        try:
+            job_return.return_value  # noqa: B018 (the property raises the job's error, and Hydra logs it)
+        except BaseException as raised:  # whatever the job raised is what this reports
+            error = raised
+        else:
+            return
         overrides = " ".join(job_return.overrides or []) or "no overrides"
         line = f"job {config.hydra.job.num} failed ({overrides}): {type(error).__name__}: {error}"
         path = Path(config.hydra.runtime.output_dir) / ERROR_FILE
