@@ -37,6 +37,16 @@ def graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def assert_in_graph(good: torch.Tensor, message: str) -> None:
+    """Assert the 0-dim boolean `good` inside the traced graph (`torch._assert_async`): under `torch.compile`
+    a data-dependent check that reads the value (`bool`, `.item()`) would break the graph.
+
+    Example:
+        >>> assert_in_graph(torch.tensor(True), "never raised")
+    """
+    torch._assert_async(good, message)
+
+
 def forward_pre_hooks(module: nn.Module) -> dict:
     """The module's forward pre-hooks by handle id (`nn.Module._forward_pre_hooks`), to remove attnreg's own
     by identity (a handle would point at the original module after a deepcopy)."""

@@ -29,6 +29,8 @@ from typing import Literal
 
 import torch
 
+from attnreg.compat import assert_in_graph
+
 _TINY = 1e-12
 
 
@@ -308,7 +310,7 @@ def _values_hold(good: torch.Tensor, problem: str) -> bool:
     data-dependent branch would break it) and taken as True, the assertion raising where it is not."""
     if torch.compiler.is_compiling():
         where = "checked under torch.compile; run attnreg.losses.check_prior on the batch eagerly to find the row"
-        torch._assert_async(good, f"prior: {problem} ({where})")
+        assert_in_graph(good, f"prior: {problem} ({where})")
         return True
     return bool(good)
 

@@ -28,6 +28,13 @@ def test_torch_names():
     module = torch.nn.Linear(2, 2)
     handle = module.register_forward_pre_hook(lambda m, args: None)
     assert handle.id in compat.forward_pre_hooks(module)
+    compat.assert_in_graph(torch.tensor(True), "holds")  # torch._assert_async: passes a true value ...
+    try:
+        compat.assert_in_graph(torch.tensor(False), "the prior's row")
+    except RuntimeError as error:
+        assert "the prior's row" in str(error)  # ... and raises with the message on a false one
+    else:
+        raise AssertionError("torch._assert_async no longer raises on False")
     with_kwargs = module.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
     assert with_kwargs.id in compat.forward_pre_hooks_with_kwargs(module)
     module.register_load_state_dict_pre_hook(lambda *args: None)

@@ -381,7 +381,8 @@ def test_a_resumed_run_repeats_the_schedules_and_state_of_the_uninterrupted_run(
 
 # -- issue 38 -------------------------------------------------------------------------------------------
 def test_the_app_finishes_and_reports_a_run_that_empties_a_layer(tmp_path):
-    """38.5: `keep=4` on the default model (2 layers x 4 heads) empties a layer; the summary crashed on it."""
+    """38.5: `keep=4` with layer 0 protected on the default model (2 layers x 4 heads) empties layer 1; the summary
+    crashed on it."""
     from hydra import compose, initialize_config_dir
 
     from attnreg.app.configs import CONFIG_DIR, register_resolvers
@@ -392,6 +393,7 @@ def test_the_app_finishes_and_reports_a_run_that_empties_a_layer(tmp_path):
 
     register_resolvers()
     overrides = ["attnreg=[syntax_prior_kl,head_gating]", "attnreg.head_gating.removal.keep=4", "~logger"]
+    overrides.append("attnreg.head_gating.removal.protect={0: [0, 1, 2, 3]}")  # layer 0 stays: layer 1 empties
     small = ["data.train=64", "data.val=32", "data.test=32", "data.hard=32", "trainer.max_epochs=1"]
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", [*overrides, *small, "trainer.enable_progress_bar=false"])
