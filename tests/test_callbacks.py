@@ -165,3 +165,28 @@ def test_a_setting_read_or_set_on_the_callback_is_refused_naming_the_methods():
     mine.seen.append(1)
     mine.label = "mine"
     assert (mine.seen, mine.label, mine.method.weight) == ([1], "mine", 0.5)
+
+
+TERM_CALLBACK_FORMS = {
+    "from attnreg.callbacks import TermCallback": "from attnreg.callbacks import TermCallback as found",
+    "from attnreg.callbacks.base import TermCallback": "from attnreg.callbacks.base import TermCallback as found",
+    "attnreg.callbacks.TermCallback": "import attnreg.callbacks; found = attnreg.callbacks.TermCallback",
+}
+
+
+@pytest.mark.parametrize("form", sorted(TERM_CALLBACK_FORMS))
+def test_the_former_term_callback_is_method_callback_with_a_warning_a_user_sees(form):
+    import warnings
+
+    from attnreg.callbacks import MethodCallback
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()  # Python's default filters: a DeprecationWarning would not be shown
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)
+        exec(TERM_CALLBACK_FORMS[form], namespace := {"__name__": "users_module"})
+    assert namespace["found"] is MethodCallback
+    assert [w.category for w in caught] == [FutureWarning]
+    assert "TermCallback is deprecated: use attnreg.callbacks.MethodCallback" in str(caught[0].message)
+    with pytest.raises(AttributeError, match="has no attribute 'TermCallbacks'"):
+        attnreg.callbacks.TermCallbacks  # noqa: B018

@@ -586,3 +586,52 @@ def test_a_sweep_through_a_launcher_and_the_collector(tmp_path, launcher, plugin
     runs = load_runs(tmp_path)
     assert sorted(run["overrides"]["attnreg.syntax_prior_kl.weight"] for run in runs) == ["0", "1"]
     assert [group["runs"] for group in collect(runs)["groups"]] == [1, 1]
+
+
+class _Worsening(L.LightningModule):
+    """A module whose val/loss grows every epoch: the best checkpoint stays at epoch 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.weight - 1).pow(2).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", float(self.current_epoch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("save_top_k", [1, 0])  # 0: the SmolLM2 presets' setting (keep no best checkpoint)
+def test_last_checkpoint_is_the_latest_epoch_when_val_loss_does_not_improve(tmp_path, save_top_k):
+    """The app's checkpoint callbacks as its config builds them: last.ckpt must be the latest epoch to resume from.
+    Lightning 2.6's save_last on the best callback left it at epoch 0 (or unwritten mid-run with save_top_k: 0)."""
+    from attnreg.app.train import CHECKPOINTS
+
+    register_resolvers()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", [f"checkpoint.save_top_k={save_top_k}"])
+    folder = tmp_path / "checkpoints"
+    checkpoints = [instantiate(cfg[key], dirpath=str(folder)) for key in CHECKPOINTS]
+    seen = []
+
+    class Watch(L.Callback):  # at each epoch's start (Lightning runs checkpoint callbacks last): what last.ckpt holds
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch:
+                seen.append(torch.load(folder / "last.ckpt", weights_only=False)["epoch"])
+
+    loader = torch.utils.data.DataLoader([torch.zeros(1)] * 2, batch_size=1)
+    trainer = L.Trainer(
+        max_epochs=3, callbacks=[*checkpoints, Watch()], logger=False, enable_progress_bar=False, num_sanity_val_steps=0
+    )
+    trainer.fit(_Worsening(), loader, loader)
+    seen.append(torch.load(folder / "last.ckpt", weights_only=False)["epoch"])
+    assert seen == [0, 1, 2]
+    assert sorted(path.name for path in folder.iterdir()) == (
+        ["best.ckpt", "last.ckpt"] if save_top_k else ["last.ckpt"]
+    )
+    if save_top_k:
+        assert torch.load(folder / "best.ckpt", weights_only=False)["epoch"] == 0

@@ -129,6 +129,10 @@ def test_a_method_of_ones_own_is_refused_where_it_cannot_run():
         attnreg.MethodCallback(object())
     with pytest.raises(TypeError, match="must be attnreg.methods.Method objects"):
         Runner([lambda probs, batch: 0])
+    callback = attnreg.SyntaxPriorKL(heads={0: [0]})  # the Lightning shell where the Trainer wants the method
+    with pytest.raises(TypeError, match=r"SyntaxPriorKL is a Lightning callback: give attnreg.methods.SyntaxPriorKL"):
+        Runner([callback])
+    assert Runner([callback.method]).methods == [callback.method]  # what the message says works
 
 
 def test_a_subclass_no_grad_forward_inside_the_step_is_not_captured(tmp_path):

@@ -57,7 +57,8 @@ class AttentionBlock(NamedTuple):
     """One block of a layer's attention: its query `rows`, their probabilities `probs` `[B, H, r, S']` (float32)
     over the first S' keys (a causal block's later keys are all masked: they read 0), and `admissible` `[B, r]`,
     how many keys the layer's own mask and causality let each row see (None where the layer received no mask:
-    then every key up to causality), and each row's `entropy` `[B, H, r]` in nats.
+    then every key up to causality), each row's `entropy` `[B, H, r]` in nats and its most attended key `argmax`
+    `[B, H, r]` (the first of equal ones), which the entropy reads anyway.
 
     Example:
         >>> from attnreg.records import LayerInputs
@@ -72,6 +73,7 @@ class AttentionBlock(NamedTuple):
     probs: torch.Tensor
     admissible: torch.Tensor | None
     entropy: torch.Tensor
+    argmax: torch.Tensor
 
 
 def attention_blocks(inputs: LayerInputs, block_size: int = BLOCK_SIZE) -> Iterator[AttentionBlock]:
@@ -154,7 +156,7 @@ def attention_blocks(inputs: LayerInputs, block_size: int = BLOCK_SIZE) -> Itera
         top = scores.gather(-1, at[..., None]).squeeze(-1)
         entropy = top - largest.log() - torch.linalg.vecdot(probs, scores)
         del scores
-        yield AttentionBlock(slice(start, stop), probs, admissible, entropy)
+        yield AttentionBlock(slice(start, stop), probs, admissible, entropy, at)
 
 
 def block_statistics(
@@ -268,7 +270,7 @@ def reduce_layer(
             distance = position * masses[..., 4] - masses[..., 5]
         else:
             distance = torch.linalg.vecdot(probs, (position[:, None] - index[None, :seen]).abs().float())
-        argmax = probs.argmax(-1)
+        argmax = block.argmax
         to_self, to_previous, to_next = (_at(probs, position + shift) for shift in (0, -1, 1))
         admissible = block.admissible if block.admissible is not None else unmasked[:, rows].float()
         entropy = block.entropy / admissible.clamp_min(2).log()[:, None]

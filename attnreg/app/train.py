@@ -88,6 +88,10 @@ from attnreg.unwrap import transformers_model
 
 log = logging.getLogger(__name__)
 
+CHECKPOINTS = ("checkpoint", "last_checkpoint")
+"""The config's checkpoint callbacks: the best by `val/loss` (`checkpoints/best.ckpt`) and the latest
+(`checkpoints/last.ckpt`, rewritten at every validation, to resume from)."""
+
 
 # -- the run -----------------------------------------------------------------------------------------
 def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
@@ -148,9 +152,11 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     count_causal_rows(data, model)
     provide(callbacks.values(), data)
     module = instantiate(cfg.module, model=model)
-    checkpoint = instantiate(cfg.checkpoint, dirpath=str(output_dir / "checkpoints"))
+    checkpoints = [
+        instantiate(cfg[key], dirpath=str(output_dir / "checkpoints")) for key in CHECKPOINTS if cfg.get(key)
+    ]
     logger = instantiate(cfg.logger, save_dir=str(output_dir)) if cfg.get("logger") else False
-    trainer = instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks.values(), checkpoint])
+    trainer = instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks.values(), *checkpoints])
     log.info(describe_run(cfg, model, trainer, choices or {}))
 
     started = time.perf_counter()
@@ -164,7 +170,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         summary = summarize_decoder(cfg, module.model, data, callbacks, trainer, seconds, choices or {}, unpruned)
     else:
         summary = summarize(cfg, transformers_model(module.model), data, callbacks, trainer, seconds, choices or {})
-    summary["checkpoint"] = checkpoint.best_model_path or None
+    summary["checkpoint"] = (checkpoints[0].best_model_path or None) if cfg.get("checkpoint") else None
     summary["output_dir"] = str(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if summary["pruning"]:

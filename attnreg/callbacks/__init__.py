@@ -17,7 +17,7 @@ Example:
      'attnreg/entropy_regularizer/layer1', 'train/loss']
 """
 
-from attnreg.callbacks.base import MethodCallback, TermCallback
+from attnreg.callbacks.base import MethodCallback, renamed_callback
 from attnreg.callbacks.distillation import Distillation
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.monitor import AttentionMonitor, EntropyCollapseWarning
@@ -38,5 +38,10 @@ __all__ = [
     "LayerwiseLR",
     "MethodCallback",
     "SyntaxPriorKL",
-    "TermCallback",
 ]
+
+
+def __getattr__(name: str):
+    if name == "TermCallback":  # the former name of MethodCallback
+        return renamed_callback(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

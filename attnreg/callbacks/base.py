@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -163,5 +164,25 @@ class MethodCallback(LightningEvents):
         self.method.load_state_dict(state_dict)
 
 
-TermCallback = MethodCallback
-"""The former name of a callback with a loss term: every `MethodCallback` adds its method's term."""
+def renamed_callback(old: str) -> type[MethodCallback]:
+    """`MethodCallback`, with a FutureWarning that its former name `old` (`TermCallback`) is deprecated: every
+    `MethodCallback` adds its method's term. Called by the modules that exported the old name.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     from attnreg.callbacks.base import TermCallback
+        >>> TermCallback is MethodCallback, caught[0].category.__name__
+        (True, 'FutureWarning')
+    """
+    warnings.warn(
+        f"{old} is deprecated: use attnreg.callbacks.MethodCallback (the same class)", FutureWarning, stacklevel=3
+    )
+    return MethodCallback
+
+
+def __getattr__(name: str) -> type[MethodCallback]:
+    if name == "TermCallback":
+        return renamed_callback(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

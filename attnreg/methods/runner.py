@@ -454,7 +454,14 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
 def _check(methods: list[Method]) -> None:
     for method in methods:
         if not isinstance(method, Method):
-            raise TypeError(f"methods must be attnreg.methods.Method objects, got {type(method).__name__}")
+            inner = getattr(method, "method", None)  # a Lightning callback holds its method
+            hint = (
+                f"; {type(method).__name__} is a Lightning callback: give attnreg.methods.{type(inner).__name__}(...) "
+                "(or the callback's .method)"
+                if isinstance(inner, Method)
+                else ""
+            )
+            raise TypeError(f"methods must be attnreg.methods.Method objects, got {type(method).__name__}{hint}")
     builders = [type(m).__name__ for m in methods if type(m).configure_optimizer is not Method.configure_optimizer]
     if len(builders) > 1:
         raise ValueError(f"give at most one method that builds the optimizer; got {builders}")
