@@ -18,6 +18,9 @@ from attnreg.methods.base import Loop, Method
 from attnreg.methods.distillation.losses import check_distillation, distillation_loss
 from attnreg.methods.loss_term import check_weight
 
+BASE = "base"
+"""The teacher's value that stands for the run's base model (given by an app before binding)."""
+
 
 class Distillation(Method):
     """Knowledge distillation from `teacher` (a model with the same outputs, e.g. the unpruned model): adds
@@ -25,7 +28,11 @@ class Distillation(Method):
 
     `temperature` softens both distributions (Hinton et al. 2015); `hidden_weight > 0` also matches the
     layers' hidden states (TinyBERT), for which the training forward is asked for `output_hidden_states`.
-    The teacher is kept in eval mode, is never optimized, and moves to the model's device at fit start.
+    The teacher runs in eval mode under `torch.no_grad()`, is never optimized and moves to the model's device
+    at fit start; at teardown its mode and device come back, so a model of yours is left as it was (its
+    `requires_grad` is never touched). `teacher="base"` stands for the run's base model, which an app gives
+    before binding (`needs`: attnreg-train sets `teacher` to a frozen copy of the model taken before LoRA wraps
+    it and before any head removal).
 
     Example:
         >>> import copy, torch
@@ -53,18 +60,33 @@ class Distillation(Method):
     ) -> None:
         super().__init__(name)
         check_distillation(temperature, hidden_weight)
-        if not isinstance(teacher, nn.Module):
-            raise TypeError(f"teacher must be a model (an nn.Module), got {type(teacher).__name__}")
-        self.teacher = teacher.eval().requires_grad_(False)
+        if teacher != BASE and not isinstance(teacher, nn.Module):
+            raise TypeError(
+                f"Distillation: teacher must be a model (an nn.Module) or {BASE!r} (the run's base model, which an "
+                f"app gives), got {teacher!r}"
+            )
+        self.teacher = teacher
         self.temperature, self.hidden_weight = temperature, hidden_weight
         self.weight = check_weight(weight, "Distillation")
         self._hooks: list[Any] = []
         self._forward: tuple[tuple, dict, Any] | None = None
+        self._restore: tuple[dict[nn.Module, bool], torch.device] | None = None  # the teacher's modes, device
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """`base_model` while the teacher is `"base"` (an app gives it as `teacher`), else nothing."""
+        return frozenset({"base_model"}) if isinstance(self.teacher, str) else frozenset()
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name_argument, "temperature": self.temperature, "hidden_weight": self.hidden_weight}
 
     def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
+        if isinstance(self.teacher, str):
+            raise ValueError(
+                f"Distillation: teacher={self.teacher!r} stands for the run's base model, and nothing gave it: "
+                "attnreg-train does (a frozen copy of the model before LoRA and any removal); in a loop of your own "
+                "pass the model (a copy of the model before training) as teacher="
+            )
         super().bind(model, taken)
         if self.teacher is self.model or self.teacher is model:
             raise ValueError("Distillation: teacher is the model being trained; pass a copy (e.g. the unpruned model)")
@@ -83,7 +105,10 @@ class Distillation(Method):
             self._forward = (args, kwargs, output)
 
     def on_fit_start(self, loop: Loop) -> None:
-        self.teacher.to(next(self.require_bound().parameters()).device)
+        device = next(self.require_bound().parameters()).device
+        if self._restore is None:
+            self._restore = (_modes(self.teacher), next(self.teacher.parameters()).device)
+        self.teacher.eval().to(device)
 
     def items(self, batch: Any) -> int | None:
         """The tokens (a language model's logits, the real ones) or rows (a classifier's) the loss is a mean
@@ -105,8 +130,11 @@ class Distillation(Method):
         args, kwargs, output = self._forward
         self._forward = None
         inputs = {key: value for key, value in kwargs.items() if key not in ("labels", "output_hidden_states")}
+        modes = None if self._restore is not None else _modes(self.teacher)  # in eval mode since fit start
         with torch.no_grad():
-            target = self.teacher(*args, **inputs, output_hidden_states=self.hidden_weight > 0)
+            target = self.teacher.eval()(*args, **inputs, output_hidden_states=self.hidden_weight > 0)
+        if modes is not None:  # called outside a fit: eval mode for this call only
+            _set_modes(modes)
         loss = distillation_loss(output, target, inputs.get("attention_mask"), self.temperature, self.hidden_weight)
         return self.weight * loss, {f"{self.name}/kl": loss.detach()}
 
@@ -114,3 +142,17 @@ class Distillation(Method):
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._forward = [], None
+        if self._restore is not None:  # the teacher's modes and device as they were given
+            modes, device = self._restore
+            _set_modes(modes)
+            self.teacher.to(device)
+            self._restore = None
+
+
+def _modes(model: nn.Module) -> dict[nn.Module, bool]:
+    return {module: module.training for module in model.modules()}
+
+
+def _set_modes(modes: dict[nn.Module, bool]) -> None:
+    for module, training in modes.items():
+        module.training = training

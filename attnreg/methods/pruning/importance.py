@@ -1,9 +1,12 @@
-"""Head importance (Michel et al. 2019), choosing heads by score, iterative pruning, and `HeadImportance`,
-the method that runs them at the end of training."""
+"""Head importance (Michel et al. 2019), choosing heads by score, iterative pruning, `HeadImportance`, the
+method that runs them at the end of training, and `ImportanceRemoval`, which removes the least important heads
+(or key/value groups) when training starts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import itertools
+import math
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -13,11 +16,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from attnreg.families import detect_family
-from attnreg.heads import HeadSpec, head_numbers
+from attnreg.heads import HeadSpec, PruneReport, head_numbers, to_original_numbers
 from attnreg.hub import attach, detach
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.pruning.gates import _hub_or_none
-from attnreg.methods.pruning.surgery import prune_heads
+from attnreg.methods.pruning.method import renew_parameters, sharded
+from attnreg.methods.pruning.surgery import check_removable, prune_heads
 
 LossFunction = Callable[[Any, Any], torch.Tensor]
 
@@ -300,3 +304,145 @@ def select_groups(
         layer: [group * group_size[layer] + i for group in groups for i in range(group_size[layer])]
         for layer, groups in chosen.items()
     }
+
+
+class ImportanceRemoval(Method):
+    """Removes the heads that matter least, by head importance (Michel et al. 2019) on the first `batches`
+    batches of `dataloader`, once, when training starts: whole key/value groups with `groups` (a group scores
+    its heads' mean, `select_groups`), else single heads (`select_heads`; a grouped-query head whose group stays
+    is silenced). `keep` (groups, or heads, kept) says how many go or, without it, `fraction` (of them removed,
+    rounded); `keep_per_layer` groups (heads) stay in every layer whatever their scores.
+
+    The choice is made on the model as training starts (a LoRA adapter not trained yet adds nothing), the
+    optimizers' state is sliced along (`prune_heads`), and LoRA factors go with the heads. What the model
+    computes afterwards is what `prune_heads(model, select_groups(head_importance(model, batches), ...))`
+    gives. A resumed run does not choose again: the checkpoint holds the smaller model. `dataloader` yields
+    batches as the model takes them (with labels, or pass `loss_fn`); attnreg-train gives its training loader
+    (`needs`). After training: `scores` (per layer), `removed` ({layer: original head numbers}), `report`.
+
+    Example:
+        >>> from attnreg.methods import Loop
+        >>> from attnreg.methods.pruning import pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("llama", head="causal_lm")      # 2 layers x 4 query heads, 2 key/value groups
+        >>> ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+        >>> removal = ImportanceRemoval([{"input_ids": ids, "labels": ids}], fraction=0.25)
+        >>> removal.bind(model); removal.start(10); removal.on_fit_start(Loop())
+        >>> sum(len(heads) for heads in pruned_heads(model).values())   # one of the 4 groups: its 2 query heads
+        2
+    """
+
+    default_name = "importance_removal"
+    needs = frozenset({"train_batches"})
+
+    def __init__(
+        self,
+        dataloader: Iterable[Any] | None = None,
+        keep: int | None = None,
+        fraction: float | None = None,
+        batches: int | None = 8,
+        groups: bool = True,
+        keep_per_layer: int = 0,
+        loss_fn: LossFunction | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name)
+        if keep is None and fraction is None:
+            raise ValueError("ImportanceRemoval: give keep= (groups, or heads, kept) or fraction= (of them removed)")
+        for argument, value, low in (("keep", keep, 0), ("batches", batches, 1), ("keep_per_layer", keep_per_layer, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"ImportanceRemoval: {argument} must be an integer >= {low}, got {value!r}")
+        if fraction is not None and not (isinstance(fraction, int | float) and 0 <= fraction < 1):
+            raise ValueError(f"ImportanceRemoval: fraction (of the groups removed) must be in [0, 1), got {fraction!r}")
+        self.dataloader, self.loss_fn = dataloader, loss_fn
+        self.keep, self.fraction, self.batches = keep, fraction, batches
+        self.groups, self.keep_per_layer = groups, keep_per_layer
+        self.group_sizes: dict[int, int] = {}
+        self.scores: dict[int, torch.Tensor] = {}
+        self.removed: dict[int, list[int]] = {}
+        self.report: PruneReport | None = None
+        self.done = False
+
+    def identity(self) -> dict[str, Any]:
+        return {"name": self.name_argument}
+
+    @property
+    def units(self) -> str:
+        return "key/value groups" if self.groups else "heads"
+
+    def bind(self, model: nn.Module, taken: Collection[str] = ()) -> None:
+        super().bind(model, taken)
+        model, family = self.model, self.hub.family
+        layers = [layer for layer in range(self.hub.num_layers) if self.hub.layers[layer].num_heads > 0]
+        self.group_sizes = {}
+        for layer in layers:
+            heads, kv_heads = family.head_counts(family.attention_module(model, layer))
+            self.group_sizes[layer] = heads // kv_heads if self.groups else 1
+        if self.done:
+            return
+        counts = {layer: self.hub.layers[layer].num_heads // size for layer, size in self.group_sizes.items()}
+        total = sum(counts.values())
+        where = f"{type(model).__name__} has {total} ({len(counts)} layers x {max(counts.values(), default=0)})"
+        if self.keep is not None and self.keep > total:
+            raise ValueError(f"ImportanceRemoval: keep={self.keep} {self.units}, more than the model has: {where}")
+        if self.keep_per_layer > min(counts.values(), default=0) or self.keep_per_layer * len(counts) > self.kept():
+            raise ValueError(
+                f"ImportanceRemoval: keep_per_layer={self.keep_per_layer} {self.units} in each of {len(counts)} "
+                f"layers, more than a layer has or than the {self.kept()} kept in all: {where}"
+            )
+        try:  # what the removal will need, now rather than when training starts
+            check_removable(model, layers)
+        except TypeError as error:
+            raise TypeError(f"ImportanceRemoval: {error}") from None
+
+    def kept(self) -> int:
+        """How many groups (heads) stay: `keep`, or all but `fraction` of them."""
+        total = sum(self.hub.layers[layer].num_heads // size for layer, size in self.group_sizes.items())
+        return self.keep if self.keep is not None else total - round(self.fraction * total)
+
+    def choose(self) -> dict[int, list[int]]:
+        """Current positions of the heads to remove (scores the heads on the first `batches` batches first)."""
+        if self.dataloader is None:
+            raise ValueError(
+                "ImportanceRemoval: no dataloader to score heads on: pass dataloader= (attnreg-train gives its "
+                "training loader)"
+            )
+        with torch.random.fork_rng(devices=[]):  # a shuffled loader's draw leaves training's random stream alone
+            batches = list(itertools.islice(self.dataloader, self.batches))
+        self.scores = head_importance(self.require_bound(), batches, self.loss_fn)
+        scores = {layer: score.clone() for layer, score in self.scores.items() if layer in self.group_sizes}
+        for layer, score in scores.items():  # the best groups of each layer stay whatever the others score
+            size = self.group_sizes[layer]
+            best = score.view(-1, size).mean(dim=1).argsort(descending=True, stable=True)[: self.keep_per_layer]
+            for group in best.tolist():
+                score[group * size : (group + 1) * size] = math.inf
+        return select_groups(scores, self.group_sizes, keep=self.kept())
+
+    def on_fit_start(self, loop: Loop) -> None:
+        if self.done:  # resumed: the checkpoint's model is the smaller one
+            return
+        model = self.require_bound()
+        several = loop.world_size > 1
+        if (several and loop.rewrap is None) or sharded(model):
+            raise NotImplementedError(
+                f"ImportanceRemoval: removing heads when training starts needs a model that is not sharded and, under "
+                f"several processes, a data-parallel wrapper the engine can rebuild; {loop.engine} offers none. "
+                "Remove the heads before training: prune_heads(model, select_groups(head_importance(...), ...))"
+            )
+        positions = loop.broadcast(self.choose())
+        chosen = {layer: heads for layer, heads in to_original_numbers(model, positions).items() if heads}
+        self.report = prune_heads(model, chosen, loop.optimizers)
+        if several:
+            renew_parameters(model, [item.tensor for item in self.report.sliced], loop.optimizers)
+            loop.rewrap()
+        self.removed = {layer: sorted(heads) for layer, heads in chosen.items()}
+        self.done = True
+
+    def state_dict(self) -> dict[str, Any]:
+        removed = {str(layer): heads for layer, heads in self.removed.items()}
+        return {**super().state_dict(), "done": self.done, "removed": removed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.done = bool(state["done"])
+        self.removed = {int(layer): list(heads) for layer, heads in state["removed"].items()}
