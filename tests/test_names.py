@@ -23,7 +23,7 @@ METHOD_CLASSES = [
     for name in METHODS
     if issubclass(getattr(methods, name), Method) and getattr(methods, name) not in (Method, methods.LossTerm)
 ]
-WITHOUT_CONFIG = {"AttentionLoss", "Distillation", "FreezeLayers", "HeadImportance"}  # they take objects
+WITHOUT_CONFIG = {"AttentionLoss", "FreezeLayers", "HeadImportance"}  # they take objects (a teacher: `base`)
 
 
 def snake(name: str) -> str:

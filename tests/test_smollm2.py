@@ -258,7 +258,24 @@ def test_the_causal_prior_preset_runs_a_few_steps(tmp_path):
 def test_the_pruning_preset_removes_key_value_groups_and_reports_speed(tmp_path):
     summary = app_run(
         tmp_path,
-        "experiment=smollm2_pruning",
+        "experiment=smollm2_pruning",  # importance removal, LoRA, distillation from the base
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "attnreg.importance_removal.batches=2",
+        "data.limit_train=24",
+        "data.limit_val=8",
+    )
+    pruning = summary["pruning"]
+    assert pruning is not None and pruning["generation"]["unpruned"]["parameters"] > pruning["parameters"]
+    assert all(len(heads) % 3 == 0 for heads in pruning["removed"].values())  # whole key/value groups only
+    assert sum(len(heads) for heads in pruning["removed"].values()) == 22 * 3  # a quarter of the 90 groups
+    assert min(pruning["heads_left"]) >= 3 and summary["metrics"]["attnreg/distillation"] > 0
+
+
+def test_the_gates_pruning_preset_removes_key_value_groups(tmp_path):
+    summary = app_run(
+        tmp_path,
+        "experiment=smollm2_pruning_gates",
         "trainer.max_steps=3",
         "trainer.val_check_interval=3",
         "attnreg.head_gating.removal.keep=60",  # 210 of 270 chosen: at least 30 of the 90 groups whole
@@ -267,6 +284,5 @@ def test_the_pruning_preset_removes_key_value_groups_and_reports_speed(tmp_path)
         "data.limit_val=8",
     )
     pruning = summary["pruning"]
-    assert pruning is not None and pruning["generation"]["unpruned"]["parameters"] > pruning["parameters"]
     assert all(len(heads) % 3 == 0 for heads in pruning["removed"].values())  # whole key/value groups only
     assert sum(len(heads) for heads in pruning["removed"].values()) >= 90

@@ -25,7 +25,7 @@ from attnreg.app.configs import CONFIG_DIR, register_resolvers
 from attnreg.app.datamodules import ClassificationDataModule
 from attnreg.app.evaluation import accuracy
 from attnreg.app.models import load_tokenizer, package_path
-from attnreg.app.settings import RENAMED_CONFIGS, needs_of, provide
+from attnreg.app.settings import RENAMED_CONFIGS, instantiate_callbacks, needs_of, provide
 from attnreg.app.summary import format_summary, metric, supervised_heads
 from attnreg.app.task import build_tokenizer, vocabulary
 from attnreg.app.train import train
@@ -381,7 +381,7 @@ def test_every_data_option_instantiates(option):
 @pytest.mark.parametrize("option", options("attnreg"))
 def test_every_attnreg_option_instantiates_callbacks(option):
     cfg = composed(f"attnreg={option}")
-    callbacks = {name: instantiate(node, _convert_="all") for name, node in cfg.attnreg.items()}
+    callbacks = instantiate_callbacks(cfg)  # a node naming a method runs through MethodCallback
     assert all(isinstance(callback, L.Callback) for callback in callbacks.values())
     chosen = RENAMED_CONFIGS.get(option, option)  # an old name composes the new config
     named = {"none": set(), "composable": {"syntax_prior_kl", "entropy_regularizer"}}
@@ -423,7 +423,7 @@ def test_every_logger_option_instantiates(option, tmp_path):
 def test_every_experiment_preset_instantiates(option):
     skip_unless_available("experiment", option)
     cfg = composed(f"experiment={option}")
-    callbacks = [instantiate(node, _convert_="all") for node in cfg.attnreg.values()]
+    callbacks = list(instantiate_callbacks(cfg).values())
     source = load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
     data = instantiate(cfg.data, tokenizer=source, with_prior=False)
     model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
@@ -448,6 +448,14 @@ PRESET_REGULARIZERS = {
     "sst2_minilm_entropy": {"entropy_regularizer": {"weight": 0.01, "mode": "max"}},
     "smollm2_syntax_prior": {"syntax_prior_kl": {"weight": 0.3, "layers": [15], "heads": [2]}},
     "smollm2_pruning": {
+        "importance_removal": {"fraction": 0.25, "keep": None, "batches": 8, "groups": True, "keep_per_layer": 1},
+        "distillation": {"teacher": "base", "temperature": 2.0, "hidden_weight": 0.0, "weight": 1.0},
+    },
+    "tiny_llama_pruning": {
+        "importance_removal": {"fraction": 0.25, "keep": None, "keep_per_layer": 1},
+        "distillation": {"teacher": "base"},
+    },
+    "smollm2_pruning_gates": {
         "head_gating": {
             "removal": {
                 "_target_": "attnreg.methods.Removal",
@@ -470,7 +478,10 @@ def test_every_experiment_preset_keeps_its_regularizer_settings(option):
     assert set(attnreg) == set(expected)
     for name, settings in expected.items():
         assert {key: attnreg[name][key] for key in settings} == settings
-        assert isinstance(instantiate(attnreg[name], _convert_="all"), L.Callback)
+    assert all(
+        isinstance(callback, L.Callback)
+        for callback in instantiate_callbacks(composed(f"experiment={option}")).values()
+    )
 
 
 @pytest.mark.parametrize("option", options("experiment"))

@@ -12,13 +12,17 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import lightning as L
+from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch import nn
 
 from attnreg.callbacks import MethodCallback
+from attnreg.methods import HeadGating, Method
+from attnreg.methods.pruning.importance import ImportanceRemoval
 from attnreg.syntax import SyntaxCollator, check_priors, describe_counts
 
 MONITOR_GOLD_SENTENCES = 64  # how many held-out gold trees a callback that needs "gold_trees" gets
@@ -29,6 +33,9 @@ NEEDS = {
     "prior": "the data module adds the syntax prior to every batch (batch['attnreg_prior'])",
     "gold_trees": f"up to {MONITOR_GOLD_SENTENCES} held-out sentences with gold trees as `method.gold_sentences`",
     "tokenizer": "the data's tokenizer as `method.tokenizer`",
+    "train_batches": "the training batches, in training's order and as the model takes them, as `method.dataloader`",
+    "base_model": "a frozen copy of the model as built, before LoRA wraps it and before any removal, as "
+    "`method.teacher` (a setting `teacher: base`)",
 }
 
 RENAMED_CONFIGS = {
@@ -86,6 +93,41 @@ def attnreg_settings(cfg: DictConfig) -> dict[str, DictConfig]:
     return {name: node for name, node in (cfg.get("attnreg") or {}).items() if node is not None}
 
 
+def instantiate_callbacks(cfg: DictConfig) -> dict[str, L.Callback]:
+    """{name: callback} of the attnreg settings `cfg` turns on: a node may name a callback (`attnreg.HeadGating`)
+    or a method (`attnreg.methods.pruning.importance.ImportanceRemoval`), which runs through
+    `attnreg.callbacks.MethodCallback`.
+
+    Example:
+        >>> import hydra
+        >>> from attnreg.app.configs import CONFIG_DIR
+        >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        ...     cfg = hydra.compose("train", ["attnreg=[importance_removal,distillation]"])
+        >>> callbacks = instantiate_callbacks(cfg)
+        >>> [(name, type(callback).__name__) for name, callback in callbacks.items()]
+        [('importance_removal', 'MethodCallback'), ('distillation', 'Distillation')]
+        >>> sorted(needs_of(callbacks["importance_removal"])), sorted(needs_of(callbacks["distillation"]))
+        (['train_batches'], ['base_model'])
+    """
+    callbacks = {}
+    for name, node in attnreg_settings(cfg).items():
+        made = instantiate(node, _convert_="all")
+        callbacks[name] = MethodCallback(made) if isinstance(made, Method) else made
+    return callbacks
+
+
+def removes_heads(callbacks: Iterable[L.Callback]) -> bool:
+    """Whether a callback removes heads (head gating, importance removal): the run then keeps a copy of the model
+    before training, for generation speed against it, and saves the pruned model.
+
+    Example:
+        >>> import attnreg
+        >>> removes_heads([attnreg.HeadGating()]), removes_heads([attnreg.EntropyRegularizer()])
+        (True, False)
+    """
+    return any(isinstance(settings_of(callback), HeadGating | ImportanceRemoval) for callback in callbacks)
+
+
 def settings_of(callback: L.Callback) -> Any:
     """What holds a callback's settings: an attnreg callback's method, another callback itself.
 
@@ -117,9 +159,11 @@ def needs_of(callback: L.Callback) -> frozenset[str]:
     return needs
 
 
-def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
-    """Give each callback's method the gold trees and tokenizer its `needs` asks for, unless it was given its own
-    (the prior is in the batches: the data module builds it when a callback needs it).
+def provide(callbacks: Iterable[L.Callback], data: Any, base_model: nn.Module | None = None) -> None:
+    """Give each callback's method the gold trees, tokenizer, training batches and base model its `needs` asks for,
+    unless it was given its own (the prior is in the batches: the data module builds it when a callback needs it).
+    The training batches leave out the entries only the methods read (`batch_keys`); `base_model` is what a
+    `teacher: base` setting gets (a frozen copy of the model before LoRA and any removal).
 
     Example:
         >>> import attnreg
@@ -132,6 +176,7 @@ def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
     """
     callbacks = list(callbacks)
     provide_kinds(callbacks, data)
+    methods_only = {key for callback in callbacks for key in getattr(settings_of(callback), "batch_keys", ())}
     for callback in callbacks:
         needs, settings = needs_of(callback), settings_of(callback)
         if "gold_trees" in needs and settings.gold_sentences is None:
@@ -139,6 +184,32 @@ def provide(callbacks: Iterable[L.Callback], data: Any) -> None:
             settings.gold_sentences = (data.tree_sentences() or [])[:MONITOR_GOLD_SENTENCES] or None
         if "tokenizer" in needs and settings.tokenizer is None:
             settings.tokenizer = data.tokenizer
+        if "train_batches" in needs and settings.dataloader is None:
+            data.setup("fit")
+            settings.dataloader = ModelInputs(data.train_dataloader(), methods_only)
+        if "base_model" in needs:
+            if base_model is None:
+                raise ValueError(
+                    f"{type(callback).__name__}: teacher: base names the run's base model, and this run has none to "
+                    "give (a copy of the model as built); name a teacher model config instead"
+                )
+            settings.teacher = base_model
+
+
+class ModelInputs:
+    """The batches of `loader` without the entries `keys` (those only the methods read), as the model takes them.
+
+    Example:
+        >>> list(ModelInputs([{"input_ids": 1, "attnreg_prior": 2}], ("attnreg_prior",)))
+        [{'input_ids': 1}]
+    """
+
+    def __init__(self, loader: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> None:
+        self.loader, self.keys = loader, tuple(keys)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            yield {key: value for key, value in batch.items() if key not in self.keys}
 
 
 def provide_kinds(callbacks: Iterable[L.Callback], data: Any) -> dict[str, Any]:

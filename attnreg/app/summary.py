@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -23,6 +24,8 @@ from transformers import PreTrainedModel
 from attnreg.app.decoder_evaluation import decoder_head_report, generation_speed, greedy_continuations, perplexity
 from attnreg.app.evaluation import accuracy, head_report, layer_entropy, pruning_report
 from attnreg.app.settings import attnreg_settings, needs_of, settings_of
+from attnreg.hub import detach, is_attached
+from attnreg.methods.pruning import count_parameters
 from attnreg.unwrap import transformers_model
 
 
@@ -160,7 +163,8 @@ def summarize_decoder(
     """The summary of a causal-LM or chat run: validation perplexity, entropy per layer, parent accuracy of the
     supervised heads over left parents (with the best left offset and the share of such words), greedy
     continuations of the data's prompts, the prior's coverage, and the heads removed with the parameter count and
-    generation tokens/s against `unpruned` (the model before training) when there is one.
+    generation tokens/s against `unpruned` (the model before training) when there is one: both of the model as it
+    would be served, a LoRA adapter merged into a copy (`served`).
 
     The example summarizes a tiny decoder not trained yet.
 
@@ -178,7 +182,7 @@ def summarize_decoder(
         >>> list(summary["continuations"]) == data.prompts, summary["pruning"]
         (True, None)
     """
-    model = transformers_model(model)  # a PEFT model's base, its adapters in place
+    given, model = model, transformers_model(model)  # a PEFT model's base, its adapters in place
     val = data.loader("val")
     scores = perplexity(model, val)
     summary: dict[str, Any] = {
@@ -204,14 +208,35 @@ def summarize_decoder(
         supervised = supervised_heads(callbacks.values())
         summary["parent_accuracy"] = decoder_head_report(model, data.tokenizer, sentences, supervised, data.max_length)
     if summary["pruning"] and unpruned is not None:
+        pruned = served(given)
+        summary["pruning"]["parameters"] = count_parameters(pruned)
         speed = generation_speed(
-            {"pruned": model, "unpruned": unpruned}, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16)
+            {"pruned": pruned, "unpruned": unpruned}, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16)
         )
         summary["pruning"]["generation"] = speed
         summary["pruning"]["speedup"] = round(
             speed["pruned"]["tokens_per_second"] / speed["unpruned"]["tokens_per_second"], 3
         )
     return summary
+
+
+def served(model: Any) -> Any:
+    """The model as it would be served: a copy with its LoRA adapter merged in (attnreg's gates folded first), or
+    the model itself where it holds no adapter.
+
+    Example:
+        >>> from attnreg.app.models import add_lora
+        >>> from attnreg.tiny import tiny_model
+        >>> model = add_lora(tiny_model("llama", head="causal_lm"), r=2)
+        >>> type(served(model)).__name__, type(model).__name__
+        ('LlamaForCausalLM', 'PeftModel')
+    """
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    merged = copy.deepcopy(model)
+    if is_attached(merged):
+        detach(merged)  # folds gates into the base weights and the adapter first
+    return merged.merge_and_unload().eval()
 
 
 def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | None]:

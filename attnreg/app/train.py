@@ -77,9 +77,8 @@ from attnreg.app.configs import register_resolvers
 from attnreg.app.failed_jobs import failed_jobs_reported
 from attnreg.app.models import add_lora, load_tokenizer
 from attnreg.app.modules import CausalLM
-from attnreg.app.settings import attnreg_settings, needs_of, provide, warn_renamed
+from attnreg.app.settings import instantiate_callbacks, needs_of, provide, removes_heads, warn_renamed
 from attnreg.app.summary import describe_run, format_summary, metric, summarize, summarize_decoder
-from attnreg.callbacks import HeadGating
 from attnreg.families import detect_family
 from attnreg.hub import detach, is_attached
 from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned
@@ -127,7 +126,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         torch.set_num_threads(cfg.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    callbacks = {name: instantiate(node, _convert_="all") for name, node in attnreg_settings(cfg).items()}
+    callbacks = instantiate_callbacks(cfg)
     needs = frozenset().union(*(needs_of(callback) for callback in callbacks.values()))
     tokenizer = (
         load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
@@ -143,14 +142,16 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
     check_task(task, model, cfg)
     decoder = task != "classification"
-    pruning = any(isinstance(callback, HeadGating) for callback in callbacks.values())
-    unpruned = copy.deepcopy(model).eval() if decoder and pruning else None  # generation speed against it
+    pruning = removes_heads(callbacks.values())
+    # the model as built: generation speed against it, and the teacher of a `teacher: base` setting
+    base = copy.deepcopy(model).eval() if (decoder and pruning) or "base_model" in needs else None
+    unpruned = base if decoder and pruning else None
     if cfg.get("peft"):
         options = {k: v for k, v in cfg.peft.items() if k != "merge"}
         task_type = "CAUSAL_LM" if decoder else "SEQ_CLS"  # SEQ_CLS: the new classification head trains too
         model = add_lora(model, **options, seed=cfg.seed, task_type=task_type)
     count_causal_rows(data, model)
-    provide(callbacks.values(), data)
+    provide(callbacks.values(), data, base)
     module = instantiate(cfg.module, model=model)
     checkpoints = [
         instantiate(cfg[key], dirpath=str(output_dir / "checkpoints")) for key in CHECKPOINTS if cfg.get(key)
