@@ -28,7 +28,7 @@ from attnreg.methods.layerwise_lr import layerwise_param_groups
 from attnreg.records import AttentionRecord, LayerInfo
 
 _CALLBACKS = """AttentionDropoutSchedule AttentionLoss AttentionMonitor Distillation EntropyRegularizer FreezeLayers
-HeadGating HeadImportance LayerwiseLR MethodCallback SyntaxPriorKL"""
+HeadGating HeadImportance ImportanceRemoval LayerwiseLR MethodCallback SyntaxPriorKL"""
 LIGHTNING = dict.fromkeys(_CALLBACKS.split(), "attnreg.callbacks") | {"AttnRegMixin": "attnreg.mixin"}
 """The Lightning adapter's names, loaded on first use: Lightning is an extra (`pip install 'attnreg[lightning]'`),
 and `import attnreg`, the Hugging Face `Trainer` and TRL need none."""
@@ -67,6 +67,7 @@ __all__ = [
     "FreezeLayers",
     "HeadGating",
     "HeadImportance",
+    "ImportanceRemoval",
     "LayerInfo",
     "LayerwiseLR",
     "MethodCallback",

@@ -227,7 +227,9 @@ def test_the_app_runs_the_recipe_removing_what_the_library_removes(tmp_path):
 
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert {key.removeprefix("model.") for key in checkpoint["state_dict"]} == set(reloaded.state_dict())
-    ours = {key: state for key, state in checkpoint["callbacks"].items() if key.startswith(("Method", "Distil"))}
+    ours = {
+        key: state for key, state in checkpoint["callbacks"].items() if key.startswith(("ImportanceRemoval", "Distil"))
+    }
     assert len(ours) == 2 and "tensor" not in str(ours).lower() and "'done': True" in str(ours)  # no teacher
 
     last = tmp_path / "checkpoints" / "last.ckpt"  # a resume rebuilds the smaller model and does not choose again

@@ -22,7 +22,7 @@ from attnreg.callbacks.distillation import Distillation
 from attnreg.callbacks.dropout import AttentionDropoutSchedule
 from attnreg.callbacks.monitor import AttentionMonitor, EntropyCollapseWarning
 from attnreg.callbacks.optim import FreezeLayers, LayerwiseLR
-from attnreg.callbacks.pruning import HeadGating, HeadImportance
+from attnreg.callbacks.pruning import HeadGating, HeadImportance, ImportanceRemoval
 from attnreg.callbacks.regularizers import AttentionLoss, EntropyRegularizer, SyntaxPriorKL
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "FreezeLayers",
     "HeadGating",
     "HeadImportance",
+    "ImportanceRemoval",
     "LayerwiseLR",
     "MethodCallback",
     "SyntaxPriorKL",

@@ -26,7 +26,7 @@ import lightning as L
 from attnreg import methods
 from attnreg.callbacks.base import MethodCallback
 
-__all__ = ["HeadGating", "HeadImportance"]
+__all__ = ["HeadGating", "HeadImportance", "ImportanceRemoval"]
 
 
 class HeadGating(MethodCallback):
@@ -83,3 +83,21 @@ class HeadImportance(MethodCallback):
     """
 
     method_class = methods.HeadImportance
+
+
+class ImportanceRemoval(MethodCallback):
+    """Removes the least important key/value groups (or heads), by head importance on the first `batches`
+    batches of `dataloader`, when training starts (`attnreg.methods.ImportanceRemoval`). After fit: `removed`.
+
+    Example:
+        >>> import torch
+        >>> from attnreg.methods.pruning import pruned_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("llama", head="causal_lm")      # 2 layers x 4 query heads, 2 key/value groups
+        >>> ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+        >>> removal = ImportanceRemoval([{"input_ids": ids, "labels": ids}], keep=3)   # 3 of the 4 groups stay
+        >>> removal.method_class.__name__, removal.method.keep
+        ('ImportanceRemoval', 3)
+    """
+
+    method_class = methods.ImportanceRemoval

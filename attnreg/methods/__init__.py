@@ -18,7 +18,7 @@ from attnreg.methods.entropy import EntropyRegularizer
 from attnreg.methods.layerwise_lr import FreezeLayers, LayerwiseLR
 from attnreg.methods.loss_term import AttentionLoss, LossTerm
 from attnreg.methods.monitor import AttentionMonitor, EntropyCollapseWarning, MonitorCheck
-from attnreg.methods.pruning.importance import HeadImportance
+from attnreg.methods.pruning.importance import HeadImportance, ImportanceRemoval
 from attnreg.methods.pruning.method import GateKind, HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
 from attnreg.methods.runner import Captured, Runner
 from attnreg.methods.syntax_prior import SyntaxPriorKL
@@ -69,6 +69,7 @@ __all__ = [
     "HardConcreteGates",
     "HeadGating",
     "HeadImportance",
+    "ImportanceRemoval",
     "GateKind",
     "L1Gates",
     "LayerwiseLR",
