@@ -95,14 +95,15 @@ def attnreg_settings(cfg: DictConfig) -> dict[str, DictConfig]:
 
 def instantiate_callbacks(cfg: DictConfig) -> dict[str, L.Callback]:
     """{name: callback} of the attnreg settings `cfg` turns on: a node may name a callback (`attnreg.HeadGating`)
-    or a method (`attnreg.methods.pruning.importance.ImportanceRemoval`), which runs through
+    or a method (`attnreg.methods.ImportanceRemoval`, a method of one's own), which runs through
     `attnreg.callbacks.MethodCallback`.
 
     Example:
         >>> import hydra
         >>> from attnreg.app.configs import CONFIG_DIR
         >>> with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        ...     cfg = hydra.compose("train", ["attnreg=[importance_removal,distillation]"])
+        ...     method = "attnreg.importance_removal._target_=attnreg.methods.ImportanceRemoval"  # not the callback
+        ...     cfg = hydra.compose("train", ["attnreg=[importance_removal,distillation]", method])
         >>> callbacks = instantiate_callbacks(cfg)
         >>> [(name, type(callback).__name__) for name, callback in callbacks.items()]
         [('importance_removal', 'MethodCallback'), ('distillation', 'Distillation')]
