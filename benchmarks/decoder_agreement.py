@@ -37,6 +37,7 @@ at `--eval-sentences 500` (5.7 at the full test set), 22 hours for 5 seeds; an i
 
     python benchmarks/decoder_agreement.py --seeds 0 --eval-sentences 500 --run smollm2   # one seed, 4 arms
     python benchmarks/decoder_agreement.py --seeds 1 --eval-sentences 500 --run smollm2   # the next, same folder
+    python benchmarks/decoder_agreement.py --seeds 2 --arms lm nsubj_few --eval-sentences 500 --run smollm2  # 2 arms
     python benchmarks/decoder_agreement.py --quick           # tiny random Llama, a few sentences, to a temp folder
     python benchmarks/decoder_agreement.py --pairs-only --run pairs   # no model: pairs, baselines, kind counts
 """
@@ -461,6 +462,9 @@ def main() -> None:
     )
     parser.add_argument("--eval-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--arms", nargs="+", default=None, help="run only these arms (default: all; the others can follow later)"
+    )
     parser.add_argument("--pairs-only", action="store_true", help="no model: pair counts, baselines, kind counts")
     add_output_arguments(parser, "tiny random Llama, 64 EWT training sentences, 2 steps, 1 seed")
     args = parser.parse_args()
@@ -476,8 +480,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     earlier = resume(args)
     chosen_arms = arms(args)
+    unknown = sorted(set(args.arms or ()) - set(chosen_arms))
+    if unknown:
+        parser.error(f"--arms: no arm {', '.join(unknown)} (the arms: {', '.join(chosen_arms)})")
     finished = (earlier or {}).get("runs", {})
-    to_run = [(seed, arm) for seed in args.seeds for arm in chosen_arms if arm not in finished.get(str(seed), {})]
+    to_run = [
+        (seed, arm) for seed in args.seeds for arm in args.arms or chosen_arms if arm not in finished.get(str(seed), {})
+    ]
     if earlier is not None:
         print(f"{args.out}: adding {len(to_run)} (seed, arm) runs to the {sum(map(len, finished.values()))} done")
     if earlier is not None and not to_run:

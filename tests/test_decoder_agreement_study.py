@@ -5,6 +5,8 @@ settings is refused naming the setting. No model: reports made by hand."""
 import argparse
 import importlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,3 +97,18 @@ def test_a_folder_of_other_settings_is_refused_naming_the_setting(study, tmp_pat
     with pytest.raises(SystemExit, match=r"was run with steps=300, this command has steps=100: .*\(--steps\)"):
         study.resume(arguments(study, tmp_path, "steps=100"))
     assert study.resume(arguments(study, tmp_path / "new")) is None
+
+
+def test_arms_runs_only_the_arms_named_and_refuses_one_that_does_not_exist(tmp_path):
+    data = Path(os.environ.get("ATTNREG_DATA_DIR") or ROOT.parent / "shared" / "data")
+    if not (data / "ud_english_ewt").is_dir():
+        pytest.skip(f"UD English EWT not found under {data} (the agreement pairs)")
+    script = [sys.executable, str(ROOT / "benchmarks" / "decoder_agreement.py"), "--quick", "--out", str(tmp_path)]
+    wrong = subprocess.run([*script, "--arms", "lm", "nsubj_2"], capture_output=True, text=True, cwd=ROOT)
+    assert wrong.returncode == 2 and "--arms: no arm nsubj_2 (the arms: lm, nsubj_1, nsubj_few" in wrong.stderr
+    assert not (tmp_path / "results.json").exists()
+    subprocess.run([*script, "--arms", "nsubj_few", "lm"], check=True, capture_output=True, cwd=ROOT)
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert set(report["runs"]["0"]) == {"lm", "nsubj_few"}
+    assert set(report["summary"]) == {"lm", "nsubj_few"}  # the arms not run yet are not summarized
+    assert report["summary"]["nsubj_few"]["paired_seeds"] == [0]  # paired with the LM arm of the same seed
