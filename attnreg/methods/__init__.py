@@ -18,8 +18,9 @@ from attnreg.methods.entropy import EntropyRegularizer
 from attnreg.methods.layerwise_lr import FreezeLayers, LayerwiseLR
 from attnreg.methods.loss_term import AttentionLoss, LossTerm
 from attnreg.methods.monitor import AttentionMonitor, EntropyCollapseWarning, MonitorCheck
+from attnreg.methods.pruning.gate_kinds import GateKind, HardConcreteGates, L1Gates, PruningRound, Removal
 from attnreg.methods.pruning.importance import HeadImportance, ImportanceRemoval
-from attnreg.methods.pruning.method import GateKind, HardConcreteGates, HeadGating, L1Gates, PruningRound, Removal
+from attnreg.methods.pruning.method import HeadGating
 from attnreg.methods.runner import Captured, Runner
 from attnreg.methods.syntax_prior import SyntaxPriorKL
 
