@@ -26,14 +26,10 @@ folder has no evaluation of it, and refuses (naming the setting) a folder run wi
 batch, lr, weight, heads, max length, min words, eval sentences). The summary counts the seeds of each cell and gives
 the paired test only where 2 or more seeds have both arms; `invocations` records each command and its commit.
 
-Not run yet (the figures of the study do not exist). Cost, from a 5-step smoke run on SmolLM2 (`nice -n 10
-python benchmarks/decoder_agreement.py --seeds 0 --steps 5 --eval-sentences 50 --threads 1 --out /tmp/smoke`, 18
-minutes) on the shared 2-core CPU machine at a load average of 6.5-10 from other runs: a training step of 8
-sentences takes 7.6-14 s (the four arms' 5 steps: 70, 38, 56, 58 s), so 300 steps x 4 arms are about 3.7 hours a
-seed; evaluating a trained model takes 58-102 s for all the pairs plus 0.33-0.60 s a sentence for perplexity and
-0.43-0.74 s for the kinds' accuracy (prior arms), about 34 minutes a seed for the 4 arms at `--eval-sentences 500`
-and about 2 hours at the full test set; the base model once per folder (10 minutes at 500). About 4.3 hours a seed
-at `--eval-sentences 500` (5.7 at the full test set), 22 hours for 5 seeds; an idle machine, or 2 threads, is faster.
+Run so far (benchmarks/results/decoder_agreement/smollm2/): seeds 0 and 1 of the lm and nsubj_few arms. Cost on the
+2-core CPU machine with nothing else running, 2 torch threads: 13-14 minutes of training an arm (2.7 s a step of 8
+sentences), 1-2 minutes of evaluation at `--eval-sentences 500`, the base model once per folder (3 minutes): about
+1 hour a seed for the 4 arms, 5 hours for 5 seeds. On shared cores (load 6.5-10, one thread) a step took 7.6-14 s.
 
     python benchmarks/decoder_agreement.py --seeds 0 --eval-sentences 500 --run smollm2   # one seed, 4 arms
     python benchmarks/decoder_agreement.py --seeds 1 --eval-sentences 500 --run smollm2   # the next, same folder
