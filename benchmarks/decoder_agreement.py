@@ -17,19 +17,22 @@ Evaluated for the base model and every trained one:
 - each supervised head's accuracy on its kind: the share of rows (tokens of words with a target at or before them)
   whose most attended key token (the query token itself left out) is a target word's first token.
 Per prior arm, paired differences against the LM arm over seeds (mean ± sd, paired t-test from 2 seeds on, seeds
-improved). `--eval-sentences N` scores perplexity and the kinds' accuracy on the first N EWT test sentences (default:
+improved), of the accuracy and of the margin (log p of the right verb form minus the wrong one, a continuous score).
+`--eval-sentences N` scores perplexity and the kinds' accuracy on the first N EWT test sentences (default:
 all 2,077); the agreement pairs are always all of them (dev 411, test 388).
 
 Resumable, seed by seed: results.json and results.md are written after every finished (seed, arm); a later command
 into the same folder (`--run`/`--out`) skips the (seed, arm) runs already there, evaluates the base model only if the
 folder has no evaluation of it, and refuses (naming the setting) a folder run with other study settings (steps,
 batch, lr, weight, heads, max length, min words, eval sentences). The summary counts the seeds of each cell and gives
-the paired test only where 2 or more seeds have both arms; `invocations` records each command and its commit.
+the paired test only where 2 or more seeds have both arms; `invocations` records each command and its commit. A
+command with nothing left to run rewrites the summary from the folder.
 
-Run so far (benchmarks/results/decoder_agreement/smollm2/): seeds 0 and 1 of the lm and nsubj_few arms. Cost on the
-2-core CPU machine with nothing else running, 2 torch threads: 13-14 minutes of training an arm (2.7 s a step of 8
-sentences), 1-2 minutes of evaluation at `--eval-sentences 500`, the base model once per folder (3 minutes): about
-1 hour a seed for the 4 arms, 5 hours for 5 seeds. On shared cores (load 6.5-10, one thread) a step took 7.6-14 s.
+Run so far (benchmarks/results/decoder_agreement/smollm2/, each piece listed in its results.md): seeds 0-4 of the lm
+and nsubj_few arms. Cost on the 2-core CPU machine with nothing else running, 2 torch threads: 12-14 minutes of
+training an arm (2.5-2.7 s a step of 8 sentences), 1-2 minutes of evaluation at `--eval-sentences 500`, the base model
+once per folder (3 minutes): about 1 hour a seed for the 4 arms, 5 hours for 5 seeds. On shared cores (load 6.5-10,
+one thread) a step took 7.6-14 s.
 
     python benchmarks/decoder_agreement.py --seeds 0 --eval-sentences 500 --run smollm2   # one seed, 4 arms
     python benchmarks/decoder_agreement.py --seeds 1 --eval-sentences 500 --run smollm2   # the next, same folder
@@ -244,6 +247,9 @@ def summarize(report: dict) -> dict:
                     entry[f"{split}_{part}_paired"] = paired_test(
                         [100 * (a - b) for a, b in zip(ours, lm, strict=True)]
                     )
+                    lm = [runs[s]["lm"]["eval"][split]["margin"][part] for s in paired]
+                    ours = [runs[s][arm]["eval"][split]["margin"][part] for s in paired]
+                    entry[f"{split}_{part}_margin_paired"] = paired_test([a - b for a, b in zip(ours, lm, strict=True)])
         entry["perplexity"] = mean_sd([runs[s][arm]["eval"]["perplexity"]["perplexity"] for s in seeds])
         if paired:
             ratios = [
@@ -260,15 +266,15 @@ def summarize(report: dict) -> dict:
     return summary
 
 
-def shown_paired(paired: dict | None) -> str:
+def shown_paired(paired: dict | None, digits: int = 1) -> str:
     """A paired difference for the table: with its test from 2 seeds on, else the one seed's difference."""
     if paired is None:
         return ""
     count = len(paired["values"])
     if count < 2:
-        return f"{paired['mean']:+.1f} (1 seed, no test)"
+        return f"{paired['mean']:+.{digits}f} (1 seed, no test)"
     test = f"p {paired['p']:.2g}, " if paired["p"] is not None else ""
-    return f"{pm(paired)} ({test}{paired['seeds_up']}/{count} up)"
+    return f"{pm(paired, digits=digits)} ({test}{paired['seeds_up']}/{count} up)"
 
 
 def markdown(report: dict, args) -> str:
@@ -316,7 +322,7 @@ def markdown(report: dict, args) -> str:
                 "",
                 *[f"{100 * base[split]['accuracy'][part]:.1f}" if base[split]["accuracy"][part] is not None else ""
                   for part in SPLITS],
-                "",
+                "", "", "",
             ]
         )  # fmt: skip
         for arm, entry in summary.items():
@@ -324,9 +330,16 @@ def markdown(report: dict, args) -> str:
             for part in SPLITS:
                 row.append(pm(entry[f"{split}_{part}"]) if f"{split}_{part}" in entry else "")
             row.append(shown_paired(entry.get(f"{split}_with_attractors_paired")))
+            row += [shown_paired(entry.get(f"{split}_{part}_margin_paired"), 2) for part in SPLITS[:2]]
             rows.append(row)
     header = ["model", "seeds", "without attractors", "with attractors", "all", "with attractors - LM (paired)"]
+    header += [f"margin {part.replace('_', ' ')} - LM (paired, nats)" for part in SPLITS[:2]]
     lines += table(header, rows)
+    lines += [
+        "",
+        "The margin is the mean over pairs of log p(right verb form) - log p(wrong one) given the prefix: a "
+        "continuous score, which moves before a pair flips.",
+    ]
     lines += [
         "",
         f"## Perplexity and the supervised heads on their kind ({perplexity_on}, % of rows)",
@@ -353,6 +366,15 @@ def markdown(report: dict, args) -> str:
             for arm in summary
         )
         + f"; base model evaluation {base['seconds']:.0f}.",
+        "",
+        "## Pieces (the commands that filled this folder)",
+        "",
+        *[
+            f"- `{piece['command']}` at {str(piece['git']['commit'])[:12]}"
+            + (" with uncommitted changes" if piece["git"]["dirty"] else "")
+            + f", {piece['date']}: {', '.join(piece['done']) or 'nothing new'}"
+            for piece in report["invocations"]
+        ],
         "",
     ]
     return "\n".join(lines)
@@ -486,7 +508,10 @@ def main() -> None:
     if earlier is not None:
         print(f"{args.out}: adding {len(to_run)} (seed, arm) runs to the {sum(map(len, finished.values()))} done")
     if earlier is not None and not to_run:
-        print("nothing to run: every (seed, arm) asked for is in the folder already")
+        earlier.pop("meta", None)
+        earlier["summary"] = summarize(earlier)
+        write_results(args.out, earlier, markdown(earlier, args), args)
+        print("nothing to run: every (seed, arm) asked for is in the folder already; the summary is rewritten")
         return
     model, tokenizer, train_sentences, evaluation, description = load(args)
     pairs = {split: minimal_pairs(sentences) for split, sentences in evaluation.items()}  # always all of them

@@ -38,6 +38,7 @@ def arguments(study, out: Path, *options: str) -> argparse.Namespace:
 
 def run(accuracy: float, perplexity: float, kinds: bool) -> dict:
     scores = {"accuracy": {"without_attractors": 0.9, "with_attractors": accuracy, "all": 0.9}}
+    scores["margin"] = {"without_attractors": 4.0, "with_attractors": 10 * accuracy - 3, "all": 4.0}
     evaluation = {"dev": scores, "test": scores, "perplexity": {"perplexity": perplexity}, "seconds": 10.0}
     evaluation["kind_accuracy"] = {"dependents:nsubj L15H2": 40.0} if kinds else {}
     return {"train": {"seconds": 100.0}, "eval": evaluation}
@@ -82,10 +83,19 @@ def test_a_partial_grid_is_summarized_per_cell_with_tests_from_two_seeds(study, 
     few = summary["nsubj_few"]["dev_with_attractors_paired"]  # seed 2 has no LM arm: one pair, no test
     assert summary["nsubj_few"]["paired_seeds"] == [0] and few["p"] is None and few["sd"] is None
     assert summary["nsubj_few"]["dev_with_attractors"]["values"] == pytest.approx([70.0, 80.0])  # both seeds
+    margin = summary["nsubj_1"]["dev_with_attractors_margin_paired"]  # 10 x the accuracy's 0.1, in nats
+    assert margin["values"] == pytest.approx([1.0, 1.0]) and margin["seeds_up"] == 2
+    assert summary["nsubj_1"]["dev_without_attractors_margin_paired"]["values"] == pytest.approx([0.0, 0.0])
     text = study.markdown(made, args)
     assert "a partial grid" in text
-    assert "| nsubj_few (dev) | 2 | 90.0 ± 0.0 | 75.0 ± 7.1 | 90.0 ± 0.0 | +10.0 (1 seed, no test) |" in text
-    assert "| nsubj_1 (dev) | 2 | 90.0 ± 0.0 | 72.5 ± 3.5 | 90.0 ± 0.0 | 10.0 ± 0.0 (2/2 up) |" in text
+    assert (
+        "| nsubj_few (dev) | 2 | 90.0 ± 0.0 | 75.0 ± 7.1 | 90.0 ± 0.0 | +10.0 (1 seed, no test) "
+        "| +0.00 (1 seed, no test) | +1.00 (1 seed, no test) |" in text
+    )
+    assert (
+        "| nsubj_1 (dev) | 2 | 90.0 ± 0.0 | 72.5 ± 3.5 | 90.0 ± 0.0 | 10.0 ± 0.0 (2/2 up) | 0.00 ± 0.00 (0/2 up) "
+        in text
+    )
 
 
 def test_a_folder_of_other_settings_is_refused_naming_the_setting(study, tmp_path):
@@ -112,3 +122,10 @@ def test_arms_runs_only_the_arms_named_and_refuses_one_that_does_not_exist(tmp_p
     assert set(report["runs"]["0"]) == {"lm", "nsubj_few"}
     assert set(report["summary"]) == {"lm", "nsubj_few"}  # the arms not run yet are not summarized
     assert report["summary"]["nsubj_few"]["paired_seeds"] == [0]  # paired with the LM arm of the same seed
+    summary = report.pop("summary")
+    (tmp_path / "results.json").write_text(json.dumps(report))  # a summary gone stale: nothing to run rewrites it
+    again = subprocess.run([*script, "--arms", "lm"], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert "nothing to run" in again.stdout
+    assert json.loads((tmp_path / "results.json").read_text())["summary"] == summary
+    pieces = (tmp_path / "results.md").read_text().split("## Pieces")[1]
+    assert "--arms nsubj_few lm" in pieces and ": 0/nsubj_few, 0/lm" in pieces
