@@ -28,11 +28,11 @@ batch, lr, weight, heads, max length, min words, eval sentences). The summary co
 the paired test only where 2 or more seeds have both arms; `invocations` records each command and its commit. A
 command with nothing left to run rewrites the summary from the folder.
 
-Run so far (benchmarks/results/decoder_agreement/smollm2/, each piece listed in its results.md): seeds 0-4 of the lm
-and nsubj_few arms. Cost on the 2-core CPU machine with nothing else running, 2 torch threads: 12-14 minutes of
-training an arm (2.5-2.7 s a step of 8 sentences), 1-2 minutes of evaluation at `--eval-sentences 500`, the base model
-once per folder (3 minutes): about 1 hour a seed for the 4 arms, 5 hours for 5 seeds. On shared cores (load 6.5-10,
-one thread) a step took 7.6-14 s.
+Run so far (benchmarks/results/decoder_agreement/smollm2/, each piece listed in its results.md): seeds 0-4 of the lm,
+nsubj_few and nsubj_parent arms. Cost on the 2-core CPU machine with nothing else running, 2 torch threads:
+11-14 minutes of training an arm (2.5-2.7 s a step of 8 sentences), 1-2 minutes of evaluation at
+`--eval-sentences 500`, the base model once per folder (3 minutes): about 1 hour a seed for the 4 arms, 5 hours for
+5 seeds. On shared cores (load 6.5-10, one thread) a step took 7.6-14 s.
 
     python benchmarks/decoder_agreement.py --seeds 0 --eval-sentences 500 --run smollm2   # one seed, 4 arms
     python benchmarks/decoder_agreement.py --seeds 1 --eval-sentences 500 --run smollm2   # the next, same folder
