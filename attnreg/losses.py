@@ -341,6 +341,7 @@ def prior_kl(
     causal: bool = False,
     check_values: bool = True,
     layer_mask: torch.Tensor | None = None,
+    rows: float | None = None,
 ) -> torch.Tensor:
     """KL(prior ‖ attention) per query row, averaged over rows that have prior mass.
 
@@ -352,8 +353,9 @@ def prior_kl(
     is first restricted to keys at or before each query (see `causal_prior`); with `layer_mask` (the layer's own SDPA
     mask, `AttentionRecord.attention_mask(layer)`) to the keys it admits, a sliding window's: rows whose prior lies
     outside are left out, as rows a causal model cannot reach are (`reachable_prior`). `check_values=False` skips
-    the prior's value checks (`check_prior(..., values=False)`), for a prior already checked. Zero prior entries
-    contribute 0, and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
+    the prior's value checks (`check_prior(..., values=False)`), for a prior already checked. `rows` divides the sum
+    over rows by that many rows instead of the rows here (`prior_rows` counts them): a share of the mean over a larger
+    batch. Zero prior entries contribute 0, and `log p` is clamped, so the loss stays finite under fp16/bf16 autocast.
 
     Example:
         >>> probs = torch.full((1, 4, 4, 4), 0.25)                        # uniform attention, 4 heads
@@ -380,25 +382,63 @@ def prior_kl(
     else:
         log_p = _full_precision(probs).clamp_min(_TINY).log()
         cross_entropy = -(_full_precision(prior)[:, None] * log_p).sum(-1)
-    return kl_from_cross_entropy(cross_entropy, prior)
+    return kl_from_cross_entropy(cross_entropy, prior, rows)
 
 
-def kl_from_cross_entropy(cross_entropy: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+def kl_from_cross_entropy(cross_entropy: torch.Tensor, prior: torch.Tensor, rows: float | None = None) -> torch.Tensor:
     """`prior_kl` from the rows' cross-entropies `-sum_j r_ij log p_ij` `[B, H, T]` (as `attnreg.blockwise`
-    computes them) and the checked, causally restricted `prior`: the mean KL over rows with prior mass.
+    computes them) and the checked, causally restricted `prior`: the mean KL over rows with prior mass (over `rows`
+    rows, where given: the sum's share of a larger batch's mean).
 
     Example:
         >>> kl_from_cross_entropy(torch.tensor([[[2.0, 9.0, 1.0]]]), torch.tensor([[0, -1, 1]]))  # row 1 out
         tensor(1.5000)
+        >>> kl_from_cross_entropy(torch.tensor([[[2.0, 9.0, 1.0]]]), torch.tensor([[0, -1, 1]]), rows=6)
+        tensor(0.5000)
     """
     if prior.dim() == 2:
-        rows, per_row = prior >= 0, cross_entropy
+        counted, per_row = prior >= 0, cross_entropy
     else:
         prior = _full_precision(prior)
-        rows = prior.sum(-1) > 0
+        counted = prior.sum(-1) > 0
         per_row = cross_entropy - torch.special.entr(prior).sum(-1)[:, None]  # 0 log 0 = 0
-    weights = rows[:, None, :].to(per_row.dtype).expand_as(per_row)
+    weights = counted[:, None, :].to(per_row.dtype).expand_as(per_row)
+    if rows is not None:  # the mean over heads of each row's KL, summed, over `rows` rows
+        return (per_row * weights).sum() / (per_row.shape[1] * rows)
     return (per_row * weights).sum() / weights.sum().clamp_min(1)
+
+
+def prior_rows(
+    prior: torch.Tensor, padding: torch.Tensor | None = None, causal: bool = False, window: int | None = None
+) -> torch.Tensor:
+    """The rows of `prior` (key indices `[B, T]` or dense rows `[B, T, S]`) that `prior_kl` averages over, from the
+    batch alone: rows with prior mass on keys the layer admits, those of `padding` (`[B, S]`, 1 = a real token; None:
+    every key), at or before the query if `causal`, and within a sliding `window` of the query (the keys less than
+    `window` back for a causal layer, at most `window` either side otherwise: transformers' `sliding_window`). A count
+    `[]` (int64, on the prior's device, no synchronization).
+
+    Example:
+        >>> parents = torch.tensor([[-1, 0, 0, 2]])
+        >>> prior_rows(parents), prior_rows(parents, causal=True, window=2)     # query 2's parent is 2 back
+        (tensor(3), tensor(2))
+    """
+    queries = prior.shape[1]
+    keys = prior.shape[2] if prior.dim() == 3 else queries
+    back = (torch.arange(queries, device=prior.device) + (keys - queries))[:, None] - torch.arange(
+        keys, device=prior.device
+    )  # [T, S]: how far each key lies before each query
+    admitted = back >= 0 if causal else torch.ones_like(back, dtype=torch.bool)
+    if window is not None:
+        admitted = admitted & (back < window if causal else back.abs() <= window)
+    admitted = admitted[None]
+    if padding is not None and padding.shape[-1] == keys:
+        admitted = admitted & padding.to(prior.device).bool()[:, None, :]
+    admitted = admitted.expand(prior.shape[0], queries, keys)
+    if prior.dim() == 2:
+        valid = (prior >= 0) & (prior < keys)
+        inside = admitted.gather(-1, prior.clamp(0, keys - 1)[..., None]).squeeze(-1)
+        return (valid & inside).sum()
+    return ((prior * admitted).sum(-1) > 0).sum()
 
 
 def reachable_prior(

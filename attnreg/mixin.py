@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from attnreg.compat import lightning_trainer
-from attnreg.hub import AttentionHub, attach
+from attnreg.hub import AttentionHub, attach, detach, is_attached
 from attnreg.methods import AttentionLoss, Method, Runner
 from attnreg.methods.loss_term import TermFunction, renamed_term
 from attnreg.unwrap import find_transformers_model
@@ -166,11 +167,28 @@ class AttnRegMixin:
     # -- checkpoints: the model's structure, rebuilt before the weights load ------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint.update(self._attnreg_bound().structure())
+        with self._attnreg_structure_event() as runner:
+            checkpoint.update(runner.structure())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._attnreg_bound().restore_structure(checkpoint)
+        with self._attnreg_structure_event() as runner:
+            runner.restore_structure(checkpoint)
         super().on_load_checkpoint(checkpoint)
+
+    @contextmanager
+    def _attnreg_structure_event(self) -> Iterator[Runner]:
+        """The runner, bound to the model, for the structure event of a checkpoint. A model that nothing had attached
+        and no method runs on (plain fine-tuning, `attnreg=none`) is detached again after it: a save leaves the model
+        it saves as it was (its attention implementation), and a resumed run configures its optimizer for the model
+        the checkpoint's run configured it for (a plain one: no "gates" group, `attnreg.app.modules.FineTuner`)."""
+        model = self.attnreg_model
+        plain = not is_attached(model)
+        runner = self._attnreg_bound()
+        try:
+            yield runner
+        finally:
+            if plain and not runner.methods and is_attached(model) and not attach(model).gates:
+                detach(model)
 
     def _attnreg_bound(self) -> Runner:
         runner = self.attnreg_runner

@@ -308,7 +308,7 @@ def test_hf_says_when_a_term_cannot_be_weighed_by_its_items(tmp_path, rows, warn
     said = [w for w in caught if issubclass(w.category, UnevenMicroBatchesWarning)]
     assert bool(said) == warned
     if warned:
-        assert "different numbers of real tokens [10, 32]" in str(said[0].message)
+        assert "real tokens per micro-batch [10, 32]" in str(said[0].message)
 
 
 @pytest.mark.parametrize("rows, warned", [(uneven, True), (examples, False)], ids=["uneven", "even"])

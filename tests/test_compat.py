@@ -162,3 +162,24 @@ def test_distributed_wrapper_names():
     assert "self.training_step(model," in source, "the Trainer's loop no longer hands training_step its own model"
     assert compat.trainer_rewrap(SimpleNamespace(model_wrapped=model), []) is None  # not DDP
     assert not dist.is_initialized()
+
+
+def test_private_names_appear_only_in_the_compatibility_module():
+    """Every private name of `compat.PRIVATE_NAMES` (`LightningModule._trainer`, ...) is used in `attnreg/compat.py`
+    alone: no other module's code reads or writes an attribute of that name, even one of its own (a docstring example
+    may show one, as a reader would check it)."""
+    import re
+    from pathlib import Path
+
+    package = Path(compat.__file__).parent
+    names = {name.rsplit(".", 1)[-1] for names in compat.PRIVATE_NAMES.values() for name in names}
+    names = {name for name in names if name.startswith("_") and not name.startswith("__")}
+    pattern = re.compile(r"\.(" + "|".join(map(re.escape, sorted(names))) + r")\b")
+    found = [
+        f"{path.relative_to(package.parent)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "compat.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and not line.strip().startswith((">>>", "..."))
+    ]
+    assert not found, found

@@ -274,3 +274,99 @@ def test_analyze_command_writes_the_view(tokenizer, sentences, tmp_path):
     data = json.loads(page.split('id="attnreg-data">')[1].split("</script>")[0].replace("<\\/", "</"))
     assert [model["name"] for model in data["models"]] == [str(tmp_path / "model"), str(tmp_path / "other")]
     assert len(data["documents"]) == 3 and data["documents"][0]["words"] == list(sentences[0].words)
+
+
+def write_models_and_data(tmp_path, tokenizer, sentences):
+    for seed, name in [(0, "model"), (1, "other")]:
+        tiny_model("bert", vocab=len(tokenizer), seed=seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    rows = []
+    for sentence in sentences:
+        rows.append(f"# text = {sentence.text}")
+        words = zip(sentence.words, sentence.heads, sentence.relations, strict=True)
+        for number, (word, head, relation) in enumerate(words, 1):
+            rows.append(f"{number}\t{word}\t_\t_\t_\t_\t{head}\t{relation}\t_\t_")
+        rows.append("")
+    (tmp_path / "dev.conllu").write_text("\n".join(rows) + "\n")
+
+
+@pytest.mark.parametrize("blockwise", ["off", "on"])
+def test_analyze_command_html_adds_no_forward(tokenizer, sentences, tmp_path, monkeypatch, capsys, blockwise):
+    """`attnreg-analyze --html` runs MODEL as often as the report alone does (its view's arcs come from the report's
+    pass): forwards counted by a forward hook on the model the command loads. The view's arcs are those of
+    `head_view`, its statistics the report's; progress lines go to stderr, which is no terminal here."""
+    import attnreg.app.analyze as command
+
+    write_models_and_data(tmp_path, tokenizer, sentences)
+    loaded, forwards = [], []
+    load_model = command.load_model
+
+    def counted(*args, **kwargs):
+        model, words = load_model(*args, **kwargs)
+        number = len(loaded)
+        loaded.append(model)
+        forwards.append(0)
+        model.register_forward_hook(lambda *_: forwards.__setitem__(number, forwards[number] + 1))
+        return model, words
+
+    monkeypatch.setattr(command, "load_model", counted)
+    arguments = [str(tmp_path / "model"), str(tmp_path / "dev.conllu"), "--no-plots", "--batch-size", "2"]
+    arguments += ["--blockwise", blockwise]
+    assert command.main([*arguments, "--out", str(tmp_path / "alone")]) == 0
+    alone = forwards[0]
+    assert alone == 4  # 6 sentences in batches of 2, and the example sentence's token importance
+    logs = [capsys.readouterr().err]
+    html = tmp_path / "heads.html"
+    viewed = ["--out", str(tmp_path / "viewed"), "--html", str(html), "--html-sentences", "4"]
+    assert command.main([*arguments, *viewed]) == 0
+    assert forwards[1] == alone
+    logs.append(capsys.readouterr().err)
+    for log in logs:  # stderr is no terminal here: lines, not a bar
+        assert log.count("analyze: ") >= 2 and "analyze: done, 6/6 sequences" in log, log
+    compared = ["--html", str(html), "--html-sentences", "4", "--compare", str(tmp_path / "other")]
+    assert command.main([*arguments, "--out", str(tmp_path / "compared"), *compared]) == 0
+    assert forwards[2] == alone and forwards[3] == 3  # the compared model: one pass over the same sentences
+    page = html.read_text()
+    data = json.loads(page.split('id="attnreg-data">')[1].split("</script>")[0].replace("<\\/", "</"))
+    report = json.loads((tmp_path / "compared" / "statistics.json").read_text())
+    shown = np.array(data["models"][0]["statistics"]["entropy"])
+    np.testing.assert_allclose(shown, np.array(report["statistics"]["entropy"]), atol=1e-6)  # the report rounds
+    assert "over the 6 sequences analyzed; the view shows the first 4" in data["notes"][0]
+    view = head_view(loaded[2], tokenizer, sentences[:4], compare=loaded[3], max_length=128)
+    for shown, expected in zip(data["documents"], view.documents, strict=True):
+        assert shown["tokens"] == expected["tokens"] and len(shown["models"]) == 2
+        for arcs, reference in zip(shown["models"], expected["models"], strict=True):
+            assert arcs["parents"] == reference["parents"]
+            weights, same = (decode(each, "weights", np.uint8, (-1,)).astype(int) for each in (arcs, reference))
+            assert np.abs(weights - same).max() <= 1
+
+
+def test_view_arrays_agree_on_both_paths(tokenizer, sentences):
+    """The arcs taken from the materialized attention (short batches) equal those taken blockwise from queries and
+    keys (long ones), on a padded batch of a decoder with grouped-query heads."""
+    model = tiny_model("llama", vocab=len(tokenizer), seed=4).eval()
+    views = [head_view(model, tokenizer, sentences, blockwise=mode, block_size=5) for mode in (False, True)]
+    for materialized, in_blocks in zip(views[0].documents, views[1].documents, strict=True):
+        ours, theirs = materialized["models"][0], in_blocks["models"][0]
+        tokens = len(materialized["tokens"])
+        assert ours["parents"] == theirs["parents"] and ours["received_scale"] != ""
+        weights = [decode(each, "weights", np.uint8, (2, 4, tokens, 8)).astype(int) for each in (ours, theirs)]
+        assert np.abs(weights[0] - weights[1]).max() <= 1
+        keys = [decode(each, "keys", "<u2", (2, 4, tokens, 8)) for each in (ours, theirs)]
+        assert (keys[0] == keys[1]).mean() > 0.99
+        received = [decode(each, "received", np.uint8, (2, 4, tokens)).astype(int) for each in (ours, theirs)]
+        assert np.abs(received[0] - received[1]).max() <= 1
+
+
+def test_recorder_refuses_a_pass_over_other_data(tokenizer, sentences):
+    """The view's arcs come from the rows of its own documents: a pass over other sentences is refused."""
+    from attnreg.analysis import analyze
+    from attnreg.analysis.head_view import HeadViewRecorder
+
+    model = tiny_model("bert", vocab=len(tokenizer)).eval()
+    recorder = HeadViewRecorder(tokenizer, sentences[:2], [model])
+    with pytest.raises(ValueError, match="tokenized document 0 of the view otherwise"):
+        analyze(model, tokenizer, sentences[2:], observe=recorder.observer(0))
+    recorder = HeadViewRecorder(tokenizer, sentences, [model])
+    with pytest.raises(ValueError, match=r"did not run over documents \[2, 3, 4, 5\]"):
+        recorder.view([analyze(model, tokenizer, sentences[:2], observe=recorder.observer(0))])

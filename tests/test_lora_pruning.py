@@ -61,8 +61,9 @@ def zeroed_reference(model, heads):
     return merged
 
 
+@pytest.mark.parametrize("given", ["base", "peft_model"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
-def test_removal_with_lora_equals_gating_before_and_after_merge(family):
+def test_removal_with_lora_equals_gating_before_and_after_merge(family, given):
     model = lora_model(family)
     heads = HEADS[family]
     expected = logits(zeroed_reference(model, heads))
@@ -72,7 +73,8 @@ def test_removal_with_lora_equals_gating_before_and_after_merge(family):
             hub.gate(layer)[numbers] = 0.0
     torch.testing.assert_close(logits(model), expected, rtol=1e-5, atol=1e-5)  # the gated model
     base = model.get_base_model()
-    report = pruning.prune_heads(base, heads)
+    report = pruning.prune_heads(base if given == "base" else model, heads)  # the PeftModel itself, as users pass it
+    assert pruning.pruned_heads(model) == pruning.pruned_heads(base) == report.removed
     assert report.removed == {layer: tuple(numbers) for layer, numbers in heads.items()} and not report.kept
     torch.testing.assert_close(logits(model), expected, rtol=1e-5, atol=1e-5)
     layer = detect_family(base).attention_module(base, 0)
@@ -86,10 +88,11 @@ def test_removal_with_lora_equals_gating_before_and_after_merge(family):
     torch.testing.assert_close(logits(merged), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_query_heads_kept_are_silenced_on_the_adapters_path():
+@pytest.mark.parametrize("given", ["base", "peft_model"])
+def test_grouped_query_heads_kept_are_silenced_on_the_adapters_path(given):
     model = lora_model("llama")
     expected = logits(zeroed_reference(model, {0: [0, 1, 2]}))
-    report = pruning.prune_heads(model.get_base_model(), {0: [0, 1, 2]})
+    report = pruning.prune_heads(model.get_base_model() if given == "base" else model, {0: [0, 1, 2]})
     assert report.removed == {0: (0, 1)} and list(report.kept[0]) == [2]
     torch.testing.assert_close(logits(model), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits(model.merge_and_unload()), expected, rtol=1e-5, atol=1e-5)

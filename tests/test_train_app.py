@@ -25,8 +25,8 @@ from attnreg.app.configs import CONFIG_DIR, register_resolvers
 from attnreg.app.datamodules import ClassificationDataModule
 from attnreg.app.evaluation import accuracy
 from attnreg.app.models import load_tokenizer, package_path
-from attnreg.app.settings import RENAMED_CONFIGS, instantiate_callbacks, needs_of, provide
-from attnreg.app.summary import format_summary, metric, supervised_heads
+from attnreg.app.settings import RENAMED_CONFIGS, instantiate_callbacks, needs_of, provide, supervised_heads
+from attnreg.app.summary import format_summary, metric
 from attnreg.app.task import build_tokenizer, vocabulary
 from attnreg.app.train import train
 from attnreg.callbacks import AttentionMonitor, EntropyRegularizer, SyntaxPriorKL

@@ -233,47 +233,92 @@
   }
 
   // -- gold and predicted parents ------------------------------------------------------------------------
-  function drawParse() {
-    parseBox.textContent = "";
-    const doc = D.documents[S.doc];
-    if (!doc.words) return;
-    const c = el("canvas", { id: "parse" }), ctx = c.getContext("2d"), n = doc.words.length;
-    ctx.font = "13px system-ui, sans-serif";
-    const xs = [];
+  // The overlay scrolls over the whole document, but its canvas is only as wide as the box: it sticks to the
+  // box's left edge and redraws the words and arcs in view on every scroll. (A canvas as wide as a long document,
+  // some 80,000 px at 2,048 tokens, is beyond what browsers draw: it stays blank.) The box's data attributes say
+  // what was drawn last: the first and last word in view and the number of arcs.
+  const BASE = 110, FONT = "13px system-ui, sans-serif";
+  const parseNote = el("div", { id: "parsenote", class: "lab" });
+  const parseArea = el("div", { id: "parsearea" }), parse = el("canvas", { id: "parse" });
+  parseArea.appendChild(parse);
+  let parseLayout = null;
+  function layoutParse() {
+    const doc = D.documents[S.doc], ctx = parse.getContext("2d"), xs = [];
+    ctx.font = FONT;
     let x = 10;
     doc.words.forEach((w) => { const tw = ctx.measureText(w).width; xs.push(x + tw / 2); x += tw + 16; });
-    const base = 110, height = base + 30 + 60 * M.length, dpr = window.devicePixelRatio || 1;
-    c.width = x * dpr; c.height = height * dpr; c.style.width = x + "px"; c.style.height = height + "px";
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.font = "13px system-ui, sans-serif"; ctx.textAlign = "center"; ctx.textBaseline = "middle";
-    doc.words.forEach((w, i) => { ctx.fillStyle = "#222"; ctx.fillText(w, xs[i], base); });
+    parseLayout = { xs: xs, width: x, height: BASE + 30 + 60 * M.length };
+    parseArea.style.width = x + "px";
+    parseArea.style.height = parseLayout.height + "px";
+  }
+  function drawParse() {
+    const doc = D.documents[S.doc];
+    if (!doc.words) { parseBox.textContent = ""; delete parseBox.dataset.arcs; return; }
+    if (!parseBox.firstChild) parseBox.append(parseNote, parseArea);
+    if (!parseLayout) layoutParse();
+    const n = doc.words.length, hits = [];
+    M.forEach((m, mi) => {
+      if (!m.present[S.layer][S.head]) return;
+      const a = arrays(S.doc, mi), off = (S.layer * H + S.head) * n;
+      let right = 0, scored = 0;
+      for (let i = 0; i < n; i++) {
+        if (a.parents[off + i] >= 0 && doc.gold[i] >= 0) { scored++; right += a.parents[off + i] === doc.gold[i]; }
+      }
+      hits.push(m.name + ": " + right + "/" + scored);
+    });
+    parseNote.textContent = "gold arcs above; each head's predicted parent (dependent to head) below, green where " +
+      "it is the gold parent. Words right: " + hits.join(", ");
+    drawParseView();
+  }
+  function drawParseView() {
+    const doc = D.documents[S.doc];
+    if (!doc.words || !parseLayout) return;
+    const xs = parseLayout.xs, n = xs.length, height = parseLayout.height, dpr = window.devicePixelRatio || 1;
+    const w = Math.max(1, Math.min(parseBox.clientWidth, parseLayout.width)), left = parseBox.scrollLeft;
+    const right = left + w;
+    parse.width = Math.ceil(w * dpr); parse.height = Math.ceil(height * dpr);
+    parse.style.width = w + "px"; parse.style.height = height + "px";
+    const ctx = parse.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, -left * dpr, 0); // document coordinates
+    ctx.clearRect(left, 0, w, height);
+    ctx.font = FONT; ctx.textAlign = "center"; ctx.textBaseline = "middle";
+    let first = -1, last = -1, arcs = 0;
+    for (let i = 0; i < n; i++) {
+      if (xs[i] < left - 300 || xs[i] > right + 300) continue; // no word is 600 px wide
+      ctx.fillStyle = "#222"; ctx.fillText(doc.words[i], xs[i], BASE);
+      if (xs[i] >= left && xs[i] <= right) { if (first < 0) first = i; last = i; }
+    }
+    const inView = (i, j) => Math.min(xs[i], xs[j]) - 3 <= right && Math.max(xs[i], xs[j]) + 3 >= left;
     const arc = (i, j, y, up, color, width) => {
-      const h = Math.min(up ? base - 12 : 55, 10 + Math.abs(xs[i] - xs[j]) / 3);
+      if (!inView(i, j)) return;
+      const h = Math.min(up ? BASE - 12 : 55, 10 + Math.abs(xs[i] - xs[j]) / 3);
       ctx.strokeStyle = color; ctx.lineWidth = width; ctx.beginPath();
       ctx.moveTo(xs[i], y); ctx.bezierCurveTo(xs[i], y + (up ? -h : h), xs[j], y + (up ? -h : h), xs[j], y); ctx.stroke();
       ctx.fillStyle = color; ctx.beginPath(); ctx.arc(xs[i], y, 2.5, 0, 7); ctx.fill();
+      arcs++;
     };
-    doc.gold.forEach((p, i) => { if (p >= 0) arc(i, p, base - 10, true, "#777", 1.2); });
-    ctx.fillStyle = "#555"; ctx.textAlign = "left";
-    ctx.fillText("gold", 2, 12);
-    let hits = [];
+    doc.gold.forEach((p, i) => { if (p >= 0) arc(i, p, BASE - 10, true, "#777", 1.2); });
+    const names = [];
     M.forEach((m, mi) => {
       if (!m.present[S.layer][S.head]) return;
-      const a = arrays(S.doc, mi), off = (S.layer * H + S.head) * n, y = base + 12 + 60 * mi;
-      let right = 0, scored = 0;
+      const a = arrays(S.doc, mi), off = (S.layer * H + S.head) * n, y = BASE + 12 + 60 * mi;
       for (let i = 0; i < n; i++) {
         const p = a.parents[off + i];
         if (p < 0) continue;
         const ok = p === doc.gold[i];
-        if (doc.gold[i] >= 0) { scored++; right += ok; }
         arc(i, p, y, false, ok ? "rgba(20,150,60,0.9)" : COLORS[mi] + "0.55)", ok ? 2 : 1);
       }
-      hits.push(m.name + ": " + right + "/" + scored);
-      ctx.fillStyle = COLORS[mi] + "1)"; ctx.fillText(m.name + " (predicted parent)", 2, y + 50);
+      names.push([m.name + " (predicted parent)", y + 50, COLORS[mi] + "1)"]);
     });
-    parseBox.appendChild(el("div", { class: "lab", style: "text-align:left" }, "gold arcs above; each head's " +
-      "predicted parent (dependent to head) below, green where it is the gold parent. Words right: " + hits.join(", ")));
-    parseBox.appendChild(c);
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0); // the labels stay at the box's left edge
+    ctx.textAlign = "left";
+    const label = (name, y, color) => { // on a light backing, over the arcs that pass under it
+      ctx.fillStyle = "rgba(255,255,255,0.8)"; ctx.fillRect(0, y - 8, ctx.measureText(name).width + 4, 16);
+      ctx.fillStyle = color; ctx.fillText(name, 2, y);
+    };
+    label("gold", 12, "#555");
+    names.forEach(([name, y, color]) => label(name, y, color));
+    parseBox.dataset.first = first; parseBox.dataset.last = last; parseBox.dataset.arcs = arcs;
   }
 
   // -- interaction ---------------------------------------------------------------------------------------
@@ -294,12 +339,16 @@
     } catch (error) { /* nothing to share there */ }
   }
   function choose(l, h) { S.layer = l; S.head = h; redraw(); }
-  docSel.onchange = () => { S.doc = +docSel.value; S.query = -1; layout = null; box.scrollTop = 0; redraw(); };
+  docSel.onchange = () => {
+    S.doc = +docSel.value; S.query = -1; layout = null; parseLayout = null; box.scrollTop = 0; parseBox.scrollLeft = 0;
+    redraw();
+  };
   statSel.onchange = () => { S.stat = statSel.value; redraw(); };
   gridSel.onchange = () => { S.grid = gridSel.value; drawGrid(); };
   arcSel.onchange = () => { S.arcs = arcSel.value; drawText(); };
   box.addEventListener("scroll", drawText);
-  window.addEventListener("resize", () => { layout = null; drawText(); });
+  parseBox.addEventListener("scroll", drawParseView);
+  window.addEventListener("resize", () => { layout = null; drawText(); drawParseView(); });
   text.addEventListener("mousemove", (e) => {
     const r = text.getBoundingClientRect(), x = e.clientX - r.left, y = e.clientY - r.top + box.scrollTop;
     const i = layout.pos.findIndex(([tx, ty, tw]) => x >= tx && x <= tx + tw && Math.abs(y - ty) <= LINE);

@@ -16,7 +16,12 @@ silenced and supervised heads marked; for the chosen head, the text with its str
 the pointer, or for every query in view) and its received-attention strip; the gold dependency arcs with the
 head's predicted parent per word; with `compare=`, a second checkpoint's grid, a difference grid and both heads'
 arcs on the same text; and a picker over the documents. The data is embedded as base64 typed arrays. When the file
-would exceed `budget` bytes, fewer keys per query are kept (then fewer documents' arcs), and the page says so.
+would exceed `budget` bytes, fewer keys per query are kept (then fewer documents' arcs), and the page says so. The
+canvases are only as large as what they show (the text box, the parse overlay's visible width), redrawn on scroll:
+a document of any length is drawn.
+
+Each model runs once over the data: the arcs are reduced from the layers of `analyze`'s own pass, which also gives
+the statistics (`HeadViewRecorder`; `attnreg-analyze --html` takes the view from the report's pass that way).
 
 Example:
     >>> import tempfile
@@ -39,20 +44,19 @@ import base64
 import html
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from attnreg.analysis.blocks import BLOCK_SIZE, attention_blocks, block_word_attention, layer_by_layer
-from attnreg.analysis.dependencies import predicted_heads
+from attnreg.analysis.blocks import BLOCK_SIZE, attention_blocks, block_word_attention
+from attnreg.analysis.dependencies import batch_word_attention, predicted_heads
 from attnreg.analysis.heads import STATISTICS
-from attnreg.analysis.runner import analyze
+from attnreg.analysis.runner import Analysis, LayerBatch, analyze
 from attnreg.heads import head_numbers, pruned_heads, silenced_heads
 from attnreg.hub import attach
 from attnreg.records import LayerInputs
@@ -199,6 +203,7 @@ def head_view(
     batch_size: int = 8,
     block_size: int = BLOCK_SIZE,
     title: str | None = None,
+    blockwise: bool | None = None,
 ) -> HeadView:
     """The head view of `model` (and of `compare`, a second checkpoint of the same architecture and tokenizer) on
     `data`: `Sentence`s with gold trees or plain texts, each truncated to `max_length` tokens.
@@ -209,8 +214,9 @@ def head_view(
     the grid by head importance (`attnreg.methods.pruning.head_importance`'s {layer: scores by current position},
     or `[layers, heads]` by original number). Removed and silenced heads are read from the model
     (`attnreg.heads.pruned_heads`, `silenced_heads`). `budget`: bytes the file may take; above it fewer keys per
-    query are kept, then the arcs of the last documents are left out (each said on the page). Runs in eval mode;
-    modes are restored.
+    query are kept, then the arcs of the last documents are left out (each said on the page). Each model runs once
+    over `data` (`analyze`, in batches of `batch_size`; `blockwise` as there), which gives both the statistics and
+    the arcs (`HeadViewRecorder`). Runs in eval mode; modes are restored.
 
     Example:
         >>> from attnreg.app.task import build_tokenizer
@@ -224,55 +230,182 @@ def head_view(
         >>> view.documents[1]["tokens"]                              # this tokenizer adds [CLS] and [SEP]
         ['[CLS]', 'keys', 'rattle', '[SEP]']
     """
-    if isinstance(data, (str, Sentence)) or not isinstance(data, Sequence) or len(data) == 0:
-        raise TypeError("data must be a non-empty sequence of Sentence objects (with gold trees) or of texts")
-    kinds = {type(item) for item in data}
-    if kinds not in ({Sentence}, {str}):
-        raise TypeError(f"data must hold only Sentence objects or only texts, got {sorted(k.__name__ for k in kinds)}")
-    if not getattr(tokenizer, "is_fast", False):
-        raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer: the view needs character offsets")
-    if budget < _OVERHEAD:
-        raise ValueError(f"budget must be at least {_OVERHEAD} bytes, got {budget}")
     models = [model] if compare is None else [model, compare]
-    names = list(names) if names is not None else ["model", "compare"][: len(models)]
-    if len(names) != len(models):
-        raise ValueError(f"names must give {len(models)} names, got {names!r}")
-    shapes = [_layout(each) for each in models]
-    if compare is not None and (shapes[0]["layers"], shapes[0]["heads"]) != (shapes[1]["layers"], shapes[1]["heads"]):
-        raise ValueError(
-            f"compare has {shapes[1]['layers']} layers x {shapes[1]['heads']} heads, the model "
-            f"{shapes[0]['layers']} x {shapes[0]['heads']}: a view compares checkpoints of one architecture"
+    recorder = HeadViewRecorder(tokenizer, data, models, names, top_k, max_length, budget, block_size)
+    analyses = [
+        analyze(
+            each,
+            tokenizer,
+            recorder.data,
+            batch_size,
+            max_length,
+            statistics=True,
+            syntax=recorder.trees,
+            similarity=False,
+            blockwise=blockwise,
+            block_size=block_size,
+            observe=recorder.observer(number),
         )
-    trees = isinstance(data[0], Sentence)
-    documents = [_tokenize(tokenizer, item, max_length) for item in data]
-    notes: list[str] = []
-    plan = _plan(documents, shapes[0], len(models), top_k, budget, notes)
-    statistics_data = list(data) if trees else [doc["batch"] for doc in documents]
-    entries = []
-    for number, (each, shape) in enumerate(zip(models, shapes, strict=True)):
-        analysis = analyze(
-            each, tokenizer, statistics_data, batch_size, max_length, statistics=True, syntax=trees,
-            similarity=False, block_size=block_size,
-        )  # fmt: skip
-        entry = {
-            "name": names[number],
-            **shape,
-            "supervised": _spec_grid(supervised if number == 0 else compare_supervised, shape),
-            "statistics": {name: _nested(analysis.statistics[name]) for name in STATISTICS},
-        }
-        if analysis.syntax is not None:
-            entry["statistics"]["parent_accuracy"] = _nested(analysis.syntax.accuracy)
-            entry["statistics"]["reverse_parent_accuracy"] = _nested(analysis.syntax.reverse_accuracy)
-        scores = importance if number == 0 else compare_importance
-        if scores is not None:
-            entry["statistics"]["importance"] = _nested(_importance_grid(each, scores, shape))
-        entries.append(entry)
-        arcs = _arcs(each, documents, plan, shape, block_size, names[number])
-        for document, document_arcs in zip(documents, arcs, strict=True):
-            document.setdefault("models", []).append(document_arcs)
-    for document in documents:
-        del document["batch"], document["membership"]
-    return HeadView(entries, documents, plan["top_k"], notes, title or f"attnreg head view: {', '.join(names)}")
+        for number, each in enumerate(models)
+    ]
+    return recorder.view(analyses, supervised, importance, compare_supervised, compare_importance, title)
+
+
+class HeadViewRecorder:
+    """A head view filled from the analysis pass itself: `observer(number)` is `analyze`'s `observe` for the
+    `number`-th of `models`, and reduces the layers of the documents' rows to their arcs as the pass runs;
+    `view(analyses)` builds the page with those passes' statistics. So a report and its view take one forward
+    per batch (`attnreg-analyze --html`), not a second pass and a forward per document.
+
+    The documents are the items of `data` (`Sentence`s with gold trees, or texts), tokenized as `analyze` does
+    with `max_length`; the data given to `analyze` must begin with them (`recorder.data`, or the sentences they
+    are the first of), else a ValueError. Statistics over more sentences than the view shows are said on the page.
+
+    Example:
+        >>> from attnreg.analysis import analyze
+        >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(vocabulary())
+        >>> model = tiny_model("bert", vocab=len(tokenizer))
+        >>> sentences = [example.sentence for example in generate(6, seed=0)]
+        >>> recorder = HeadViewRecorder(tokenizer, sentences[:2], [model])       # the view shows the first two
+        >>> analysis = analyze(model, tokenizer, sentences, observe=recorder.observer(0))   # the report's pass
+        >>> view = recorder.view([analysis])
+        >>> len(view.documents), view.notes
+        (2, ['Statistics and parent accuracy are over the 6 sequences analyzed; the view shows the first 2.'])
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        data: Sequence[Sentence] | Sequence[str],
+        models: Sequence[PreTrainedModel],
+        names: Sequence[str] | None = None,
+        top_k: int = TOP_K,
+        max_length: int | None = 512,
+        budget: int = BUDGET,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        if isinstance(data, (str, Sentence)) or not isinstance(data, Sequence) or len(data) == 0:
+            raise TypeError("data must be a non-empty sequence of Sentence objects (with gold trees) or of texts")
+        kinds = {type(item) for item in data}
+        if kinds not in ({Sentence}, {str}):
+            raise TypeError(
+                f"data must hold only Sentence objects or only texts, got {sorted(k.__name__ for k in kinds)}"
+            )
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer: the view needs character offsets")
+        if budget < _OVERHEAD:
+            raise ValueError(f"budget must be at least {_OVERHEAD} bytes, got {budget}")
+        if not 1 <= len(models) <= 2:
+            raise ValueError(f"a view shows one model or two (a comparison), got {len(models)}")
+        self.models = list(models)
+        self.names = list(names) if names is not None else ["model", "compare"][: len(models)]
+        if len(self.names) != len(models):
+            raise ValueError(f"names must give {len(models)} names, got {self.names!r}")
+        self.shapes = [_layout(each) for each in models]
+        first, *other = self.shapes
+        if other and (first["layers"], first["heads"]) != (other[0]["layers"], other[0]["heads"]):
+            raise ValueError(
+                f"compare has {other[0]['layers']} layers x {other[0]['heads']} heads, the model "
+                f"{first['layers']} x {first['heads']}: a view compares checkpoints of one architecture"
+            )
+        self.trees = isinstance(data[0], Sentence)
+        self.documents = [_tokenize(tokenizer, item, max_length) for item in data]
+        self.notes: list[str] = []
+        self.plan = _plan(self.documents, first, len(models), top_k, budget, self.notes)
+        self.block_size = block_size
+        self.data = list(data) if self.trees else [document["batch"] for document in self.documents]
+        self._arrays: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in models]
+
+    def observer(self, number: int) -> Callable[[LayerBatch], None]:
+        """`analyze`'s `observe` for the `number`-th model: each layer of the documents' rows to arcs."""
+        model, shape = self.models[number], self.shapes[number]
+        numbers = {layer: list(head_numbers(model, layer)) for layer in range(shape["layers"])}
+        arrays = self._arrays[number]
+        arrays.clear()
+        index_type = np.dtype("<u2") if self.plan["index"] == "u16" else np.dtype("<u4")
+
+        def observe(batch: LayerBatch) -> None:
+            rows = [row for row, item in enumerate(batch.items) if item < len(self.documents)]
+            if not rows:
+                return
+            for row in rows:
+                if batch.items[row] not in arrays:
+                    document = self.documents[batch.items[row]]
+                    self._check(document, batch, row, number)
+                    arrays[batch.items[row]] = _empty_arrays(document, shape, self._k(batch.items[row]), index_type)
+            kept = [arrays[batch.items[row]] for row in rows]
+            _reduce_rows(batch, rows, kept, self.documents, numbers[batch.layer], shape["causal"], self.block_size)
+
+        return observe
+
+    def view(
+        self,
+        analyses: Sequence[Analysis],
+        supervised: Mapping[int, Sequence[int] | None] | None = None,
+        importance: Mapping[int, torch.Tensor] | torch.Tensor | None = None,
+        compare_supervised: Mapping[int, Sequence[int] | None] | None = None,
+        compare_importance: Mapping[int, torch.Tensor] | torch.Tensor | None = None,
+        title: str | None = None,
+    ) -> HeadView:
+        """The view, from each model's `analyze` pass with `observer(number)` (in the models' order); the marks and
+        importance as `head_view` takes them."""
+        if len(analyses) != len(self.models):
+            raise ValueError(f"give the analysis of each of the {len(self.models)} models, got {len(analyses)}")
+        notes = list(self.notes)
+        entries = []
+        for number, (model, shape, analysis) in enumerate(zip(self.models, self.shapes, analyses, strict=True)):
+            missing = [index for index in range(len(self.documents)) if index not in self._arrays[number]]
+            if missing:
+                raise ValueError(
+                    f"the analysis of {self.names[number]} did not run over documents {missing[:5]} of the view: give "
+                    "analyze the view's data (recorder.data), or data that begins with it, and observe=observer(number)"
+                )
+            if analysis.statistics is None:
+                raise ValueError("the view needs the head statistics: analyze(..., statistics=True)")
+            entry = {
+                "name": self.names[number],
+                **shape,
+                "supervised": _spec_grid(supervised if number == 0 else compare_supervised, shape),
+                "statistics": {name: _nested(analysis.statistics[name]) for name in STATISTICS},
+            }
+            if analysis.syntax is not None:
+                entry["statistics"]["parent_accuracy"] = _nested(analysis.syntax.accuracy)
+                entry["statistics"]["reverse_parent_accuracy"] = _nested(analysis.syntax.reverse_accuracy)
+            scores = importance if number == 0 else compare_importance
+            if scores is not None:
+                entry["statistics"]["importance"] = _nested(_importance_grid(model, scores, shape))
+            entries.append(entry)
+        sequences = max(analysis.sequences for analysis in analyses)
+        if sequences > len(self.documents):
+            notes.append(
+                f"Statistics and parent accuracy are over the {sequences} sequences analyzed; the view shows the "
+                f"first {len(self.documents)}."
+            )
+        documents = []
+        for index, document in enumerate(self.documents):
+            shown = {key: value for key, value in document.items() if key not in ("batch", "membership", "ids")}
+            shown["models"] = [_encode(arrays[index]) for arrays in self._arrays]
+            documents.append(shown)
+        title = title or f"attnreg head view: {', '.join(self.names)}"
+        return HeadView(entries, documents, self.plan["top_k"], notes, title)
+
+    def _k(self, index: int) -> int:
+        """Keys kept per query in document `index`: none for the documents the budget leaves without arcs."""
+        k = self.plan["top_k"] if index < self.plan["kept"] else 0
+        return min(k, len(self.documents[index]["tokens"]))  # a short document has fewer keys than the others
+
+    def _check(self, document: dict[str, Any], batch: LayerBatch, row: int, number: int) -> None:
+        tokens = len(document["tokens"])
+        ids = batch.input_ids[row].tolist()
+        real = int(batch.attention_mask[row].sum())
+        if real != tokens or ids[:tokens] != document["ids"]:
+            raise ValueError(
+                f"the analysis of {self.names[number]} tokenized document {batch.items[row]} of the view otherwise "
+                f"({real} tokens, the view {tokens}): give analyze the view's tokenizer and max_length, and data that "
+                "begins with the view's documents (padded on the right)"
+            )
 
 
 # -- planning ------------------------------------------------------------------------------------------
@@ -315,7 +448,7 @@ def _tokenize(tokenizer: PreTrainedTokenizerBase, item: Sentence | str, max_leng
         _token_text(text, tokenizer, token, span) for token, span in zip(ids, encoding["offset_mapping"], strict=True)
     ]
     batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-    document: dict[str, Any] = {"title": text[:80], "tokens": tokens, "batch": batch, "membership": None}
+    document: dict[str, Any] = {"title": text[:80], "tokens": tokens, "batch": batch, "membership": None, "ids": ids}
     if isinstance(item, Sentence):
         alignment = align_offsets(item, encoding["offset_mapping"])
         token_word = alignment.token_word
@@ -378,85 +511,93 @@ def _plan(
     return {"top_k": k, "kept": kept, "index": "u16" if index_bytes == 2 else "u32"}
 
 
-# -- the arcs pass -----------------------------------------------------------------------------------------
-def _arcs(
-    model: PreTrainedModel,
-    documents: list[dict[str, Any]],
-    plan: dict[str, Any],
-    shape: dict[str, Any],
-    block_size: int,
-    name: str,
-) -> list[dict[str, str]]:
-    """Per document, one forward whose layers are reduced to top-k arcs, received attention and predicted parents
-    as soon as each has run (`layer_by_layer`): the page's arrays as base64 strings."""
-    hub = attach(model)
-    numbers = {layer: list(head_numbers(model, layer)) for layer in range(shape["layers"])}
-    options = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
-    index_type = np.dtype("<u2") if plan["index"] == "u16" else np.dtype("<u4")
-    results = []
-    was_training = model.training
-    model.eval()
-    total = sum(len(document["tokens"]) for document in documents)
-    progress = tqdm(total=total, desc=f"head view ({name})", unit="tok", unit_scale=True, disable=None, leave=False)
-    try:
-        for number, document in enumerate(documents):
-            k = plan["top_k"] if number < plan["kept"] else 0
-            results.append(_document_arcs(model, hub, document, k, shape, numbers, index_type, block_size, options))
-            progress.update(len(document["tokens"]))
-    finally:
-        progress.close()
-        model.train(was_training)
-    return results
-
-
-def _document_arcs(
-    model: PreTrainedModel,
-    hub: Any,
-    document: dict[str, Any],
-    k: int,
-    shape: dict[str, Any],
-    numbers: Mapping[int, list[int]],
-    index_type: np.dtype,
-    block_size: int,
-    options: dict[str, Any],
-) -> dict[str, Any]:
-    """One forward over one document whose layers are reduced as soon as each has run (`layer_by_layer`)."""
+# -- the arcs, from the analysis pass ---------------------------------------------------------------------
+def _empty_arrays(document: dict[str, Any], shape: dict[str, Any], k: int, index_type: np.dtype) -> dict[str, Any]:
     layers, width, tokens = shape["layers"], shape["heads"], len(document["tokens"])
-    k = min(k, tokens)  # a short document has fewer keys than the others
-    device = next(model.parameters()).device
-    keys = np.zeros((layers, width, tokens, k), dtype=index_type)
-    weights = np.zeros((layers, width, tokens, k), dtype=np.uint8)
-    received = np.zeros((layers, width, tokens), dtype=np.float32)
-    membership = document["membership"]
-    words = 0 if membership is None else membership.shape[-1]
-    parents = np.full((layers, width, words), -1, dtype=np.int16)
-    if membership is not None:
-        membership = membership.to(device)
-        valid = membership.sum(1) > 0
-
-    def reduce(layer: int, inputs: LayerInputs) -> None:
-        columns = numbers[layer]
-        positions, values, sums = head_arcs(inputs, k, block_size=block_size)
-        keys[layer, columns] = positions[0].cpu().numpy().astype(index_type)
-        weights[layer, columns] = (values[0] * 255).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
-        received[layer, columns] = sums[0].cpu().numpy()
-        if membership is not None:
-            attention = block_word_attention(inputs, membership, block_size)
-            predicted = predicted_heads(attention, valid, "dependent_to_head", shape["causal"])
-            parents[layer, columns] = predicted[0].cpu().numpy().astype(np.int16)
-
-    with layer_by_layer(hub, reduce):
-        model(**{key: value.to(device) for key, value in document["batch"].items()}, **options)
-    scale = received.max(-1, keepdims=True)  # one byte a key: the square root of its share of the maximum
-    quantized = np.round(255 * np.sqrt(received / np.maximum(scale, 1e-30))).astype(np.uint8)
+    words = len(document.get("words", ()))
     return {
         "top_k": k,
-        "index": "u16" if index_type == np.dtype("<u2") else "u32",
-        "keys": _base64(keys),
-        "weights": _base64(weights),
+        "keys": np.zeros((layers, width, tokens, k), dtype=index_type),
+        "weights": np.zeros((layers, width, tokens, k), dtype=np.uint8),
+        "received": np.zeros((layers, width, tokens), dtype=np.float32),
+        "parents": np.full((layers, width, words), -1, dtype=np.int16),
+    }
+
+
+def _reduce_rows(
+    batch: LayerBatch,
+    rows: list[int],
+    arrays: list[dict[str, Any]],
+    documents: list[dict[str, Any]],
+    columns: list[int],
+    causal: bool,
+    block_size: int,
+) -> None:
+    """One layer of the batch's `rows` (documents of the view) reduced to each query's strongest keys, the attention
+    each key receives and each word's predicted parent, written into the documents' `arrays`."""
+    mask = batch.attention_mask[rows]
+    k = max(each["top_k"] for each in arrays)
+    tokens = mask.shape[1]
+    membership = None
+    if any(documents[batch.items[row]]["membership"] is not None for row in rows):
+        words = max(documents[batch.items[row]]["membership"].shape[-1] for row in rows)
+        membership = torch.zeros(len(rows), tokens, words)
+        for slot, row in enumerate(rows):
+            own = documents[batch.items[row]]["membership"][0]
+            membership[slot, : own.shape[0], : own.shape[1]] = own
+    if batch.inputs is not None:
+        inputs = _select(batch.inputs, rows, batch.attention_mask.shape[0])
+        positions, values, sums = head_arcs(inputs, k, attention_mask=mask, block_size=block_size)
+        attention = None
+        if membership is not None:
+            attention = block_word_attention(inputs, membership.to(mask.device), block_size)
+    else:
+        probs = batch.probs[rows].float()
+        values, positions = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        positions = positions.masked_fill(values <= 0, 0)  # keys it cannot see
+        sums = torch.einsum("bhts,bt->bhs", probs, mask.to(probs.device, torch.float32))
+        attention = None if membership is None else batch_word_attention(probs, membership.to(probs.device))
+    parents = None
+    if attention is not None:
+        valid = membership.to(attention.device).sum(1) > 0
+        parents = predicted_heads(attention, valid, "dependent_to_head", causal).cpu().numpy()
+    positions, sums = positions.cpu().numpy(), sums.float().cpu().numpy()
+    weights = (values * 255).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+    for slot, each in enumerate(arrays):
+        length, kept = each["received"].shape[-1], each["top_k"]
+        each["keys"][batch.layer, columns] = positions[slot, :, :length, :kept]
+        each["weights"][batch.layer, columns] = weights[slot, :, :length, :kept]
+        each["received"][batch.layer, columns] = sums[slot, :, :length]
+        if parents is not None and each["parents"].shape[-1]:
+            each["parents"][batch.layer, columns] = parents[slot, :, : each["parents"].shape[-1]]
+
+
+def _select(inputs: LayerInputs, rows: list[int], batch: int) -> LayerInputs:
+    """`inputs` of the batch's `rows` only."""
+    if len(rows) == batch:
+        return inputs
+    mask = inputs.attention_mask
+    if mask is not None and mask.dim() >= 3 and mask.shape[0] == batch:
+        mask = mask[rows]
+    return LayerInputs(
+        inputs.query[rows], inputs.key[rows], mask, inputs.scaling, inputs.causal, inputs.softcap, inputs.sinks
+    )
+
+
+def _encode(arrays: dict[str, Any]) -> dict[str, Any]:
+    """A document's arrays for the page: base64, the received attention in one byte a key (the square root of its
+    share of the head's maximum) with that maximum beside it."""
+    received = arrays["received"]
+    scale = received.max(-1, keepdims=True)
+    quantized = np.round(255 * np.sqrt(received / np.maximum(scale, 1e-30))).astype(np.uint8)
+    return {
+        "top_k": arrays["top_k"],
+        "index": "u16" if arrays["keys"].dtype == np.dtype("<u2") else "u32",
+        "keys": _base64(arrays["keys"]),
+        "weights": _base64(arrays["weights"]),
         "received": _base64(quantized),
         "received_scale": _base64(scale[..., 0].astype("<f4")),
-        "parents": _base64(parents.astype("<i2")),
+        "parents": _base64(arrays["parents"].astype("<i2")),
     }
 
 

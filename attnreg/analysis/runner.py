@@ -30,8 +30,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +50,7 @@ from attnreg.analysis.heads import HeadRoles, HeadStatistics, RoleThresholds, To
 from attnreg.analysis.representations import TokenSimilarity
 from attnreg.analysis.vocabulary import check_tokenizer
 from attnreg.heads import head_numbers, pruned_heads
-from attnreg.hub import AttentionHub, attach
+from attnreg.hub import AttentionHub, attach, detach, is_attached
 from attnreg.records import LayerInputs
 from attnreg.syntax.align import align_offsets
 from attnreg.syntax.trees import Sentence
@@ -59,6 +61,53 @@ BLOCKWISE_LENGTH = 512
 """`analyze(..., blockwise=None)` reduces batches longer than this many tokens from queries and keys in blocks,
 shorter ones from the materialized attention (small there: sentences; at 512 tokens SmolLM2-135M's attention
 already takes the process to 1.5x the forward's peak memory, `benchmarks/results/decoder_analysis/`)."""
+
+PROGRESS_SECONDS = 10.0
+"""`analyze(..., progress=True)` off a terminal writes a line to stderr after the first batch, then at most one
+this many seconds apart, and one at the end."""
+
+
+@dataclass
+class LayerBatch:
+    """One layer of one batch, as `analyze(..., observe=...)` hands it on while the pass runs (to reduce it to
+    more than the analysis keeps, as the head view's arcs, without a forward of its own).
+
+    `items` gives each row's place in the data (a sentence's index; for tokenized batches, rows counted from the
+    first batch's first row); `input_ids` and `attention_mask` `[B, T]` are the batch (padded on the right);
+    `heads` the layer's head numbers (original numbering, as in a pruned model). Exactly one of `inputs` (the
+    blockwise path: what the layer's attention function received, `LayerInputs`) and `probs` (the materialized
+    path: the attention `[B, H, T, S]`) is set.
+
+    Example:
+        >>> from attnreg.app.task import build_tokenizer, generate, vocabulary
+        >>> from attnreg.tiny import tiny_model
+        >>> tokenizer = build_tokenizer(vocabulary())
+        >>> sentences = [example.sentence for example in generate(3, seed=0)]
+        >>> seen = []
+        >>> observe = lambda batch: seen.append((batch.layer, batch.items, batch.probs is not None))
+        >>> _ = analyze(tiny_model("bert", vocab=len(tokenizer)), tokenizer, sentences, batch_size=2, observe=observe)
+        >>> seen                                     # batches of similar length: sentences 1 and 2, then 0
+        [(0, [1, 2], True), (1, [1, 2], True), (0, [0], True), (1, [0], True)]
+    """
+
+    layer: int
+    items: list[int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    heads: Sequence[int]
+    inputs: LayerInputs | None = None
+    probs: torch.Tensor | None = None
+
+
+def _leaves_as_found(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function(model, ...)` run inside `attached(model)`: the model leaves it attached only if it came attached."""
+
+    @functools.wraps(function)
+    def run(model: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        with attached(model):
+            return function(model, *args, **kwargs)
+
+    return run
 
 
 @dataclass
@@ -118,6 +167,7 @@ class Analysis:
 
 
 @torch.no_grad()
+@_leaves_as_found
 def analyze(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -130,6 +180,8 @@ def analyze(
     similarity: bool = True,
     blockwise: bool | None = None,
     block_size: int = BLOCK_SIZE,
+    observe: Callable[[LayerBatch], None] | None = None,
+    progress: bool | None = None,
 ) -> Analysis:
     """Run `model` once over `data` and collect the analyses asked for.
 
@@ -137,7 +189,8 @@ def analyze(
     and truncated to `max_length` tokens; or tokenized batches (then `syntax` is skipped). `tokenizer`
     must be a fast tokenizer (character offsets) that can tokenize the sentences (`check_tokenizer`, else a
     `ValueError`); it also tells the special and punctuation tokens.
-    The model is attached to the hub and run in eval mode (without a key/value cache); its mode is restored.
+    The model is attached to the hub for the pass and run in eval mode (without a key/value cache); it leaves as it
+    came, an error included: its mode, and attached or not (`attached`: its attention implementation too).
     Pruned models work: heads keep their original numbers and removed ones read NaN.
 
     `blockwise`: True reduces every layer from its queries and keys, `block_size` query rows at a time,
@@ -145,7 +198,11 @@ def analyze(
     attention of all layers of a batch (`layers x B x H x T^2` floats, faster on short inputs); None (the
     default) takes the blockwise path for batches longer than `BLOCKWISE_LENGTH` tokens. Both give the same
     figures. `similarity` keeps the hidden states of every layer of a batch on either path: turn it off for
-    long documents. A progress bar (sequences and tokens per second) shows on a terminal.
+    long documents. `observe` is called with each layer of each batch (`LayerBatch`) as the pass runs.
+
+    `progress`: None (the default) shows a progress bar (sequences and tokens per second) on a terminal and
+    nothing elsewhere; True also writes a line to stderr now and then (`PROGRESS_SECONDS`) where stderr is no
+    terminal (a log file, a batch job); False shows nothing.
 
     Example:
         >>> import torch
@@ -192,19 +249,20 @@ def analyze(
         options["use_cache"] = False  # a decoder's cache would keep every layer's keys and values
     was_training = model.training
     model.eval()
-    progress = tqdm(
-        total=len(sentences) if sentences is not None else None, desc="analyze", unit="seq", disable=None, leave=False
-    )  # quiet unless stderr is a terminal
+    total = len(sentences) if sentences is not None else None
+    bar = tqdm(total=total, desc="analyze", unit="seq", disable=None if progress is not False else True, leave=False)
+    lines = _ProgressLines(total, started) if progress and bar.disable else None  # quiet unless stderr is a terminal
     try:
         with _output_norms(hub, enabled=statistics) as norms:
-            for inputs, targets in batches:
+            for inputs, targets, items in batches:
                 inputs = {key: value.to(device) for key, value in inputs.items()}
                 mask = inputs["attention_mask"]
                 token_kinds = kinds.masks(inputs["input_ids"], mask) if statistics else None
                 in_blocks = blockwise if blockwise is not None else inputs["input_ids"].shape[-1] > BLOCKWISE_LENGTH
                 if in_blocks:
+                    observer = None if observe is None else _Observer(observe, items, inputs, heads)
                     output = _blockwise_pass(
-                        model, hub, inputs, options, result, token_kinds, targets, heads, block_size
+                        model, hub, inputs, options, result, token_kinds, targets, heads, block_size, observer
                     )
                 else:
                     with hub.capture() as record:
@@ -221,6 +279,10 @@ def analyze(
                         result.statistics.update(probs, token_kinds, mask, hub.family.causal, heads, layer_masks)
                     if result.syntax is not None:
                         result.syntax.update(probs, targets, heads)
+                    if observe is not None:
+                        ids = inputs["input_ids"]
+                        for layer, layer_probs in probs.items():
+                            observe(LayerBatch(layer, items, ids, mask, heads[layer], probs=layer_probs))
                     del probs, record
                 if result.statistics is not None:
                     for layer, values in norms.items():
@@ -231,15 +293,94 @@ def analyze(
                 result.tokens += int(mask.sum())
                 del output
                 norms.clear()
-                progress.update(mask.shape[0])
-                if not progress.disable:
-                    rate = result.tokens / max(progress.format_dict["elapsed"], 1e-9)
-                    progress.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+                bar.update(mask.shape[0])
+                if not bar.disable:
+                    rate = result.tokens / max(bar.format_dict["elapsed"], 1e-9)
+                    bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+                if lines is not None:
+                    lines.batch(result.sequences, result.tokens)
     finally:
-        progress.close()
+        bar.close()
         model.train(was_training)
     result.seconds = time.perf_counter() - started
+    if lines is not None:
+        lines.done(result.sequences, result.tokens)
     return result
+
+
+class _Observer:
+    """`observe` as the blockwise pass calls it: `(layer, inputs)` made a `LayerBatch` of the batch."""
+
+    def __init__(
+        self,
+        observe: Callable[[LayerBatch], None],
+        items: list[int],
+        inputs: Mapping[str, torch.Tensor],
+        heads: Mapping[int, Sequence[int]],
+    ) -> None:
+        self.observe, self.items, self.inputs, self.heads = observe, items, inputs, heads
+
+    def __call__(self, layer: int, layer_inputs: LayerInputs) -> None:
+        ids, mask = self.inputs["input_ids"], self.inputs["attention_mask"]
+        self.observe(LayerBatch(layer, self.items, ids, mask, self.heads[layer], inputs=layer_inputs))
+
+
+class _ProgressLines:
+    """`analyze(..., progress=True)` off a terminal: a line to stderr after the first batch, then at most one every
+    `PROGRESS_SECONDS`, and one at the end."""
+
+    def __init__(self, total: int | None, started: float) -> None:
+        self.total, self.started, self.last = total, started, None
+
+    def batch(self, sequences: int, tokens: int) -> None:
+        now = time.perf_counter()
+        if self.last is None or now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            self._line(sequences, tokens, now)
+
+    def done(self, sequences: int, tokens: int) -> None:
+        self._line(sequences, tokens, time.perf_counter(), done=True)
+
+    def _line(self, sequences: int, tokens: int, now: float, done: bool = False) -> None:
+        seconds = now - self.started
+        of = f"/{self.total}" if self.total is not None else ""
+        print(
+            f"analyze: {'done, ' if done else ''}{sequences}{of} sequences, {tokens} tokens in {seconds:.1f} s "
+            f"({tokens / max(seconds, 1e-9):.0f} tok/s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+@contextmanager
+def attached(model: PreTrainedModel) -> Iterator[AttentionHub]:
+    """The model's hub for the block: `attach`ed on entry if it was not, and detached again on exit, an error
+    included, so the model leaves as it came (its attention implementation too); a model the caller attached stays
+    attached, with its hub.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> from attnreg.hub import is_attached
+        >>> model = tiny_model("gpt2")
+        >>> with attached(model) as hub:
+        ...     model.config._attn_implementation
+        'attnreg'
+        >>> is_attached(model), model.config._attn_implementation
+        (False, 'sdpa')
+        >>> hub = attach(model)
+        >>> with attached(model) as same:
+        ...     same is hub
+        True
+        >>> is_attached(model)
+        True
+    """
+    before = is_attached(model)
+    hub = attach(model)
+    try:
+        yield hub
+    finally:
+        if not before and is_attached(model):
+            detach(model)
 
 
 def _blockwise_pass(
@@ -252,8 +393,10 @@ def _blockwise_pass(
     targets: SyntaxTargets | None,
     heads: Mapping[int, Sequence[int]],
     block_size: int,
+    observe: Callable[[int, LayerInputs], None] | None = None,
 ) -> Any:
-    """One forward whose layers are reduced from their queries and keys as soon as each has run."""
+    """One forward whose layers are reduced from their queries and keys as soon as each has run (and handed to
+    `observe`)."""
     mask = inputs["attention_mask"]
     syntax = result.syntax is not None and result.syntax.count(targets)
     membership = targets.membership if syntax else None
@@ -264,6 +407,8 @@ def _blockwise_pass(
             result.statistics.add(layer, sums, counts, heads)
         if words is not None:
             result.syntax.add_layer(layer, words, targets, heads)
+        if observe is not None:
+            observe(layer, layer_inputs)
 
     with layer_by_layer(hub, reduce):
         return model(**inputs, **options)
@@ -322,7 +467,7 @@ def parent_accuracy(
     """Parent accuracy of every head of `model` over `sentences` with gold trees, both directions.
 
     Words cut by truncation, or without a token of their own, and words whose head is such a word,
-    are not scored. The model is attached to the hub and run in eval mode (its mode is restored).
+    are not scored. The model is attached to the hub and run in eval mode; it leaves as it came (see `analyze`).
     `blockwise`, `block_size`: as in `analyze` (the blockwise path holds one layer's word attention
     `[B, H, W, W]` at a time, never token maps).
 
@@ -362,8 +507,9 @@ def _as_sentences(data: Any) -> Sequence[Sentence] | None:
 
 def _sentence_batches(
     tokenizer: PreTrainedTokenizerBase, sentences: Sequence[Sentence], batch_size: int, max_length: int | None
-) -> Iterator[tuple[dict[str, torch.Tensor], SyntaxTargets]]:
-    """Batches of sentences of similar token length, padded on the right, with their aligned gold trees."""
+) -> Iterator[tuple[dict[str, torch.Tensor], SyntaxTargets, list[int]]]:
+    """Batches of sentences of similar token length, padded on the right, with their aligned gold trees and the
+    sentences' indices."""
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(
             f"{type(tokenizer).__name__} is not a fast tokenizer: the analysis needs character offsets "
@@ -390,10 +536,11 @@ def _sentence_batches(
             attention_mask[row, : len(ids[index])] = 1
         alignments = [align_offsets(sentences[index], offsets[index]) for index in chunk]
         targets = SyntaxTargets.build([sentences[index] for index in chunk], alignments, tokens)
-        yield {"input_ids": input_ids, "attention_mask": attention_mask}, targets
+        yield {"input_ids": input_ids, "attention_mask": attention_mask}, targets, chunk
 
 
-def _loader_batches(data: Iterable[Mapping[str, Any]]) -> Iterator[tuple[dict[str, torch.Tensor], None]]:
+def _loader_batches(data: Iterable[Mapping[str, Any]]) -> Iterator[tuple[dict[str, torch.Tensor], None, list[int]]]:
+    rows = 0
     for number, batch in enumerate(data):
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             kind = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
@@ -403,7 +550,9 @@ def _loader_batches(data: Iterable[Mapping[str, Any]]) -> Iterator[tuple[dict[st
             )
         inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
         inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))
-        yield inputs, None
+        size = inputs["input_ids"].shape[0]
+        yield inputs, None, list(range(rows, rows + size))
+        rows += size
 
 
 @contextmanager

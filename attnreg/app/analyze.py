@@ -23,9 +23,14 @@ layer's queries and keys in blocks of `--block-size` query rows, never building 
 `--blockwise on` / `off` chooses for every batch (the figures are the same).
 
 `--html FILE` also writes the interactive head view of the first `--html-sentences` sentences (one self-contained
-HTML file, `attnreg.analysis.head_view`), with `--compare MODEL` a second checkpoint beside the first:
+HTML file, `attnreg.analysis.head_view`), with `--compare MODEL` a second checkpoint beside the first (analyzed on
+the same sentences):
 
     attnreg-analyze ./pruned ../shared/data/ud_english_ewt/en_ewt-ud-dev.conllu --html heads.html --compare ./minilm
+
+The view's arcs are taken from the report's own pass (`attnreg.analysis.head_view.HeadViewRecorder`): `--html`
+adds no forward of MODEL, and the view's grid shows the report's statistics. Progress goes to stderr: a bar on a
+terminal, else a line now and then (a log file, a batch job).
 
 The example runs `main` (it takes the command line's arguments) on a tiny random model and one tree.
 
@@ -60,6 +65,7 @@ import json
 import math
 import pathlib
 import pickle
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,10 +90,10 @@ from attnreg.analysis import (
     RoleThresholds,
     analyze,
     check_tokenizer,
-    head_view,
     token_importance,
 )
 from attnreg.analysis.blocks import BLOCK_SIZE
+from attnreg.analysis.head_view import HeadViewRecorder
 from attnreg.app.inputs import check_model_folder, check_vocabulary
 from attnreg.hub import attach
 from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
@@ -171,9 +177,7 @@ def load_model(
         model = _from_checkpoint(path, base, trust_checkpoint)
         source = tokenizer or base
     elif path.is_dir():
-        if not (path / "config.json").is_file():
-            raise InputError(f"{spec} is a directory without config.json: not a saved transformers model")
-        model = load_pruned(path) if (path / SPEC_FILE).is_file() else AutoModel.from_pretrained(path)
+        model = load_folder(path)
         source = tokenizer or spec
     elif path.exists():
         raise InputError(f"{spec} is a file but not a Lightning checkpoint (.ckpt); give a model directory instead")
@@ -190,6 +194,49 @@ def load_model(
     except ValueError as error:
         raise InputError(f"{error} (the tokenizer of {source})") from error
     return model.eval(), loaded
+
+
+def load_folder(path: Path) -> PreTrainedModel:
+    """The model a folder holds, as the run that wrote it had it: a transformers model (`save_pretrained`, a run's
+    `model/` or `merged_model/`), a pruned one (`save_pruned`, a run's `pruned_model/`), either with the LoRA adapter
+    saved beside it (`adapter_config.json`) merged in; an adapter folder alone (a run's `adapter/`) on the base model
+    its `adapter_config.json` names.
+
+    Example:
+        >>> import tempfile
+        >>> from attnreg.app.models import add_lora
+        >>> from attnreg.methods.pruning import prune_heads, save_pruned
+        >>> from attnreg.tiny import tiny_model
+        >>> model = add_lora(tiny_model("llama", head="causal_lm"), r=2, seed=0, task_type="CAUSAL_LM")
+        >>> _ = prune_heads(model, {0: [0, 1]}); folder = save_pruned(model, tempfile.mkdtemp())
+        >>> ids = torch.tensor([[3, 4, 5]])
+        >>> torch.allclose(load_folder(folder)(ids).logits, model.eval()(ids).logits, atol=1e-5)   # with its adapter
+        True
+    """
+    adapter = (path / "adapter_config.json").is_file()
+    if not (path / "config.json").is_file():
+        if adapter:
+            return _adapter_on_its_base(path)
+        raise InputError(f"{path} is a directory without config.json: not a saved transformers model")
+    model = load_pruned(path) if (path / SPEC_FILE).is_file() else AutoModel.from_pretrained(path)
+    if adapter:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, path).merge_and_unload()
+    return model
+
+
+def _adapter_on_its_base(path: Path) -> PreTrainedModel:
+    import peft
+
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise InputError(
+            f"{path} holds a LoRA adapter alone, and its base model ({base!r}, from adapter_config.json) is no folder "
+            "with config.json: open the run's merged_model/ or pruned_model/ instead (they hold the whole model), or "
+            "save the base model with save_pretrained and set base_model_name_or_path to it"
+        )
+    return peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base), path).merge_and_unload()
 
 
 def _from_hub(name: str, loader: Any, **kwargs: Any) -> Any:
@@ -615,6 +662,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     model.to(args.device)
     thresholds = RoleThresholds(**{name: getattr(args, name) for name in vars(RoleThresholds())})
+    recorder = None
+    if args.html:  # the view's arcs come from the report's own pass: no second pass, no forward per sentence
+        models = [model] + ([compare.to(args.device)] if compare is not None else [])
+        names = [args.model] + ([args.compare] if compare is not None else [])
+        shown = sentences[: args.html_sentences]
+        recorder = HeadViewRecorder(
+            tokenizer, shown, models, names, max_length=args.max_length, block_size=args.block_size
+        )
+    blockwise = {"auto": None, "on": True, "off": False}[args.blockwise]
     started = time.perf_counter()
     analysis = analyze(
         model,
@@ -622,8 +678,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sentences,
         batch_size=args.batch_size,
         max_length=args.max_length,
-        blockwise={"auto": None, "on": True, "off": False}[args.blockwise],
+        blockwise=blockwise,
         block_size=args.block_size,
+        observe=recorder.observer(0) if recorder is not None else None,
+        progress=True,  # lines on stderr where it is no terminal: a long run says how far it is
     )
     meta = {"model": args.model, "data": str(args.data), "device": args.device, "threads": torch.get_num_threads()}
     out = write_report(
@@ -639,16 +697,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         plots=not args.no_plots,
     )
     print(f"analyzed {analysis.sequences} sentences in {time.perf_counter() - started:.1f} s; report in {out}")
-    if args.html:
-        view = head_view(
-            model,
-            tokenizer,
-            sentences[: args.html_sentences],
-            compare=compare.to(args.device) if compare is not None else None,
-            names=[args.model] + ([args.compare] if compare is not None else []),
-            max_length=args.max_length,
-            block_size=args.block_size,
-        )
+    if recorder is not None:
+        analyses = [analysis]
+        if compare is not None:  # the same sentences, so that the difference grid compares like with like
+            print(f"analyzing {args.compare} for the head view", file=sys.stderr, flush=True)
+            analyses.append(
+                analyze(
+                    compare,
+                    tokenizer,
+                    sentences,
+                    batch_size=args.batch_size,
+                    max_length=args.max_length,
+                    similarity=False,
+                    blockwise=blockwise,
+                    block_size=args.block_size,
+                    observe=recorder.observer(1),
+                    progress=True,
+                )
+            )
+        view = recorder.view(analyses)
         print(f"head view of {len(view.documents)} sentences in {view.save(args.html)}")
     return 0
 

@@ -161,8 +161,18 @@ def paired_differences(
         Traceback (most recent call last):
         ...
         ValueError: --baseline w=2 matches no group; the groups are: {'w': '0'}, {'w': '1'}
+        >>> paired_differences(runs[:2], collect(runs[:2], ["accuracy.val"]), {"w": "0"})   # seeds of one setting
+        Traceback (most recent call last):
+        ...
+        ValueError: --baseline w=0: the sweep has one group (only seed varies), so there is nothing to pair with it; ...
     """
     keys = table["keys"]
+    shown = ",".join(f"{k}={v}" for k, v in baseline.items())
+    if not keys:
+        raise ValueError(
+            f"--baseline {shown}: the sweep has one group (only {over} varies), so there is nothing to pair with it; "
+            f"sweep the baseline and the other settings together (attnreg-train -m {shown},... {over}=0,1,2)"
+        )
 
     def group_of(run: Mapping[str, Any]) -> dict[str, Any]:
         return {key: run["overrides"].get(key) for key in keys}
@@ -171,7 +181,6 @@ def paired_differences(
     base = {run["overrides"].get(over): run for run in runs if {k: group_of(run).get(k) for k in wanted} == wanted}
     if not base:
         groups = ", ".join(str(group["overrides"]) for group in table["groups"])
-        shown = ",".join(f"{k}={v}" for k, v in wanted.items())
         raise ValueError(f"--baseline {shown} matches no group; the groups are: {groups}")
     rows = []
     for group in table["groups"]:
@@ -326,7 +335,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = markdown(table) + ("\n" if failed else "") + "".join(f"not in the table: {line}\n" for line in failed)
     collected: dict[str, Any] = {**table, "runs": runs, "failed": failed}
     if args.baseline:
-        differences = paired_differences(runs, table, dict(item.split("=", 1) for item in args.baseline), args.over)
+        if not all("=" in item for item in args.baseline):
+            parser.error(f"--baseline takes KEY=VALUE pairs, got {args.baseline}")
+        try:
+            differences = paired_differences(runs, table, dict(i.split("=", 1) for i in args.baseline), args.over)
+        except ValueError as error:
+            parser.error(str(error))  # a message and exit status 2, not a traceback
         text += "\n" + paired_markdown(differences)
         collected["paired"] = differences
     sweep_dir = Path(args.sweep_dir)

@@ -99,6 +99,9 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         (True, True, True)
     """
 
+    start = 0
+    """Items of the order the next iteration leaves out (once): `ResumableLoader` sets it to resume mid-epoch."""
+
     def __init__(self, size: int, seed: int = 0) -> None:
         self.size, self.seed, self.epoch = size, seed, 0
 
@@ -109,8 +112,77 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         return self.size
 
     def __iter__(self) -> Any:
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.epoch_seed)).tolist()
+        start, self.start = self.start, 0
+        return iter(order[start:])
+
+    @property
+    def epoch_seed(self) -> int:
+        """The seed of this epoch's order, from (`seed`, epoch) alone."""
+        return self.seed * 100_003 + self.epoch
+
+
+class ResumableLoader(DataLoader):
+    """A `DataLoader` that a run resumed mid-epoch continues where its checkpoint left it, as the uninterrupted run did.
+
+    Lightning saves a training loader's `state_dict()` in its checkpoints and hands it back to `load_state_dict` on
+    resume (a loader with both methods is "stateful" to Lightning); without it a run resumed mid-epoch would restart
+    the epoch's order and train again on batches it had trained on. The state is the epoch and the batches of it the
+    loader yielded (Lightning prefetches none from a loader of known length): the resumed epoch leaves those out, from
+    the sampler's order when it is an `EpochSampler` (nothing is read or collated for them), else by drawing and
+    dropping them. The first batch of an iteration is drawn after Lightning's `set_epoch`, so a state whose epoch is
+    not the one being iterated (the checkpoint ended it) leaves nothing out. Its `generator`, where it has one, is
+    seeded anew from the `EpochSampler`'s (seed, epoch) at each iteration: workers' seeds come from it, not from
+    torch's global generator, which a resumed run finds as the checkpoint left it (`attnreg.app.modules.FineTuner`).
+
+    Example:
+        >>> loader = ResumableLoader(range(10), batch_size=2, sampler=EpochSampler(10, seed=0))
+        >>> batches = iter(loader); first, second = next(batches), next(batches)
+        >>> state = loader.state_dict(); state                     # two batches of epoch 0 yielded
+        {'epoch': 0, 'batches': 2}
+        >>> resumed = ResumableLoader(range(10), batch_size=2, sampler=EpochSampler(10, seed=0))
+        >>> resumed.load_state_dict(state)
+        >>> [batch.tolist() for batch in resumed] == [batch.tolist() for batch in loader][2:]
+        True
+        >>> loader.state_dict()                                     # the epoch ended: the next one from its start
+        {'epoch': 1, 'batches': 0}
+    """
+
+    _position = (0, 0)  # (epoch, batches of it yielded) of the latest iteration
+    _resume: tuple[int, int] | None = None  # the position a checkpoint recorded, for the next iteration
+
+    def __iter__(self) -> Any:
+        return self._batches()
+
+    def _batches(self) -> Any:
+        # runs at the first next(): after Lightning's set_epoch
+        sampler = self.sampler
+        epoch = getattr(sampler, "epoch", 0)
+        resume, self._resume = self._resume, None
+        done = resume[1] if resume is not None and resume[0] == epoch else 0
+        by_index = isinstance(sampler, EpochSampler) and self.batch_size is not None
+        if isinstance(sampler, EpochSampler):
+            sampler.start = done * self.batch_size if by_index else 0
+            if self.generator is not None:
+                self.generator.manual_seed(sampler.epoch_seed)
+        batches = super().__iter__()
+        for _ in range(0 if by_index else done):
+            next(batches, None)
+        self._position = (epoch, done)
+        for batch in batches:
+            self._position = (epoch, self._position[1] + 1)
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the training order stands: the epoch and the batches of it yielded (a loaded state until the next
+        iteration starts); after the epoch's last batch, the next epoch, none yielded."""
+        epoch, batches = self._position if self._resume is None else self._resume
+        return {"epoch": epoch + 1, "batches": 0} if batches >= len(self) else {"epoch": epoch, "batches": batches}
+
+    def load_state_dict(self, state_dict: Mapping[str, int]) -> None:
+        """Continue from a checkpoint's `state_dict()`: the next iteration leaves out the batches it yielded (when it
+        iterates the same epoch)."""
+        self._resume = (int(state_dict["epoch"]), int(state_dict["batches"]))
 
 
 class AppDataModule(L.LightningDataModule):
@@ -118,8 +190,8 @@ class AppDataModule(L.LightningDataModule):
     tokenizer (the one given, else `build_tokenizer()` from the data's own words, for random models), one collator
     for every loader (`build_collator()`, built once, so that a `SyntaxCollator`'s counts and its dropped-arcs
     warning cover the whole run), and loaders whose training order comes from (`seed`, epoch) alone
-    (`EpochSampler`: a run resumed from a checkpoint sees the batches the uninterrupted one would). Subclasses
-    fill `self.datasets` in `setup`.
+    (`EpochSampler`: a run resumed from a checkpoint sees the batches the uninterrupted one would, mid-epoch too with
+    `ResumableLoader`). Subclasses fill `self.datasets` in `setup`.
 
     Example:
         >>> class Numbers(AppDataModule):
@@ -135,6 +207,8 @@ class AppDataModule(L.LightningDataModule):
         (True, [0, 1, 2, 3, 4, 5], True)
     """
 
+    task = "classification"
+    """The kind of task (`classification`, `causal_lm`, `chat`): what the app builds, trains and summarizes."""
     num_labels: int | None = 2
 
     def __init__(
@@ -179,17 +253,26 @@ class AppDataModule(L.LightningDataModule):
         raise NotImplementedError(f"{type(self).__name__} must define build_collator()")
 
     def loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        """`split`'s loader; shuffled by `EpochSampler` (an order per seed and epoch)."""
+        """`split`'s loader; shuffled by `EpochSampler` (an order per seed and epoch) in a `ResumableLoader` (a run
+        resumed mid-epoch goes on with the batches the uninterrupted one trained on)."""
         if split not in self.datasets:
             raise KeyError(
                 f"{type(self).__name__} has no split {split!r} (has {sorted(self.datasets)}); run setup() first"
             )
-        return DataLoader(
+        if not shuffle:
+            return DataLoader(
+                self.datasets[split],
+                batch_size=self.eval_batch_size,
+                collate_fn=self.collator(),
+                num_workers=self.num_workers,
+            )
+        return ResumableLoader(
             self.datasets[split],
-            batch_size=self.batch_size if shuffle else self.eval_batch_size,
-            sampler=EpochSampler(len(self.datasets[split]), self.seed) if shuffle else None,
+            batch_size=self.batch_size,
+            sampler=EpochSampler(len(self.datasets[split]), self.seed),
             collate_fn=self.collator(),
             num_workers=self.num_workers,
+            generator=torch.Generator(),
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -305,8 +388,8 @@ class _SentenceTexts:
 
 class TextDataModule(ClassificationDataModule):
     """Texts with labels read by `read(split)` for "train" and "val"; parsed with spaCy
-    (`attnreg.syntax.parse_texts`, the `parse` extra) when `with_prior`. `limit_train` keeps the first n
-    training texts (quick runs). Without a tokenizer, a word-level one is built from the training
+    (`attnreg.syntax.parse_texts`, the `parse` extra) when `with_prior`. `limit_train` and `limit_val` keep the
+    first n training and validation texts (quick runs). Without a tokenizer, a word-level one is built from the training
     texts: their `vocab_size` most frequent words.
 
     Example:
@@ -320,17 +403,22 @@ class TextDataModule(ClassificationDataModule):
         (1, tensor([[2, 6, 3]]))
     """
 
-    def __init__(self, limit_train: int | None = None, vocab_size: int = 8000, **loader_options: Any) -> None:
+    def __init__(
+        self,
+        limit_train: int | None = None,
+        vocab_size: int = 8000,
+        limit_val: int | None = None,
+        **loader_options: Any,
+    ) -> None:
         super().__init__(**loader_options)
-        self.limit_train, self.vocab_size = limit_train, vocab_size
+        self.limit_train, self.limit_val, self.vocab_size = limit_train, limit_val, vocab_size
 
     def read(self, split: str) -> tuple[list[str], list[int]]:
         """Texts and labels of `split` ("train", "val"); each text data module defines it (abstract here)."""
         raise NotImplementedError(f"{type(self).__name__} must define read(split)")
 
     def training_texts(self) -> tuple[list[str], list[int]]:
-        texts, labels = self.read("train")
-        return (texts, labels) if self.limit_train is None else (texts[: self.limit_train], labels[: self.limit_train])
+        return _first(self.read("train"), self.limit_train)
 
     def build_tokenizer(self) -> PreTrainedTokenizerBase:
         return build_tokenizer(frequent_words(self.training_texts()[0], self.vocab_size))
@@ -338,13 +426,21 @@ class TextDataModule(ClassificationDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
             return
-        for split, (texts, labels) in (("train", self.training_texts()), ("val", self.read("val"))):
+        for split, (texts, labels) in (
+            ("train", self.training_texts()),
+            ("val", _first(self.read("val"), self.limit_val)),
+        ):
             if self.with_prior:
                 from attnreg.syntax.parse import parse_texts
 
                 self.datasets[split] = SyntaxDataset(parse_texts(texts), labels)
             else:
                 self.datasets[split] = TextDataset(texts, labels)
+
+
+def _first(split: tuple[list[str], list[int]], limit: int | None) -> tuple[list[str], list[int]]:
+    texts, labels = split
+    return (texts, labels) if limit is None else (texts[:limit], labels[:limit])
 
 
 class LocalGlueDataModule(TextDataModule):
@@ -358,6 +454,8 @@ class LocalGlueDataModule(TextDataModule):
         >>> data = LocalGlueDataModule("sst2", folder, batch_size=2)      # with_prior=True parses with spaCy
         >>> data.setup(); sorted(data.datasets), data.tokenizer.tokenize("a dull film")
         (['train', 'val'], ['a', 'dull', 'film'])
+        >>> data.task, data.benchmark                                      # a classification task, from SST-2
+        ('classification', 'sst2')
     """
 
     READERS = {"cola": read_cola, "sst2": read_sst2}
@@ -373,10 +471,10 @@ class LocalGlueDataModule(TextDataModule):
                 "(or the environment variable ATTNREG_DATA_DIR to the folder holding it)"
             )
         super().__init__(**options)
-        self.task, self.data_dir = task, data_dir
+        self.benchmark, self.data_dir = task, data_dir  # `task` is the kind of task (classification), as for all
 
     def read(self, split: str) -> tuple[list[str], list[int]]:
-        return self.READERS[self.task](self.data_dir, {"train": "train", "val": "dev"}[split])
+        return self.READERS[self.benchmark](self.data_dir, {"train": "train", "val": "dev"}[split])
 
 
 class HubDataModule(TextDataModule):

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from attnreg.analysis import parent_accuracy
-from attnreg.app.evaluation import _number
+from attnreg.app.evaluation import _number, without_silenced
 from attnreg.methods.pruning import count_parameters
 
 
@@ -87,7 +87,7 @@ def decoder_head_report(
         >>> sorted(report["supervised"]), report["best_offset"], 0 < report["left_parent_share"] < 1
         (['L1H0'], -2, True)
     """
-    result = parent_accuracy(_base(model), tokenizer, sentences, max_length=max_length)
+    result = without_silenced(parent_accuracy(_base(model), tokenizer, sentences, max_length=max_length), model)
     table = result.accuracy
     chosen = {
         f"L{layer}H{head}": _number(table[layer, head])
@@ -111,8 +111,15 @@ def decoder_head_report(
     }
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    """The prompt's ids without end-of-text tokens (a BERT-style word-level tokenizer appends [SEP])."""
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = False) -> list[int]:
+    """The prompt's ids without end-of-text tokens (a BERT-style word-level tokenizer appends [SEP]); with `chat`, the
+    prompt as a user turn rendered by the tokenizer's chat template up to the assistant's reply, as chat SFT trained
+    the model to continue."""
+    if chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = tokenizer(prompt)["input_ids"]
     ends = {tokenizer.eos_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id} - {None}
     while ids and ids[-1] in ends and len(ids) > 1:
@@ -122,17 +129,27 @@ def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def greedy_continuations(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], new_tokens: int = 16
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    new_tokens: int = 16,
+    chat: bool = False,
 ) -> dict[str, str]:
-    """{prompt: its greedy continuation of `new_tokens` tokens (KV cache)}.
+    """{prompt: its greedy continuation of `new_tokens` tokens (KV cache)}; with `chat`, each prompt goes in as a user
+    turn through the tokenizer's chat template and the continuation is the assistant's reply.
 
     Example:
+        >>> from attnreg.app.lm import TINY_CHAT_TEMPLATE
         >>> from attnreg.app.models import tiny_causal_lm
         >>> from attnreg.app.task import build_tokenizer, vocabulary
         >>> tokenizer = build_tokenizer(vocabulary())
         >>> continuation = greedy_continuations(tiny_causal_lm(tokenizer), tokenizer, ["the dog"], new_tokens=3)
         >>> len(tokenizer.tokenize(continuation["the dog"])) <= 3
         True
+        >>> tokenizer = build_tokenizer([*vocabulary(), "<", "|", ">", "user", "assistant"])
+        >>> tokenizer.chat_template = TINY_CHAT_TEMPLATE                      # a chat model's prompt: a user turn
+        >>> tokenizer.decode(_prompt_ids(tokenizer, "the dog", chat=True))
+        '< | user | > the dog < | assistant | >'
     """
     was_training = model.training
     model.eval()
@@ -140,7 +157,7 @@ def greedy_continuations(
     try:
         device = next(model.parameters()).device
         for prompt in prompts:
-            ids = torch.tensor([_prompt_ids(tokenizer, prompt)], device=device)
+            ids = torch.tensor([_prompt_ids(tokenizer, prompt, chat)], device=device)
             generated = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

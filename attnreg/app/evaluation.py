@@ -27,10 +27,11 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from attnreg.analysis import parent_accuracy
-from attnreg.heads import head_numbers, pruned_heads
+from attnreg.heads import head_numbers, pruned_heads, silenced_heads
 from attnreg.hub import attach
 from attnreg.losses import attention_entropy
 from attnreg.methods.pruning import count_parameters
+from attnreg.unwrap import transformers_model
 
 
 @torch.no_grad()
@@ -102,28 +103,51 @@ def layer_entropy(model: PreTrainedModel, loader: DataLoader, max_batches: int =
 
 
 def pruning_report(model: PreTrainedModel) -> dict[str, Any] | None:
-    """The heads removed (original numbers per layer), the heads left and the parameter count; None when
-    no head was removed.
+    """What was done to the model's heads, read from its record: the heads removed and those silenced (original
+    numbers per layer), the heads left (silenced ones included: they still run) and the parameter count; None when
+    no head was removed or silenced.
 
     Example:
-        >>> from attnreg.methods.pruning import prune_heads
+        >>> from attnreg.methods.pruning import prune_heads, silence_heads
         >>> from attnreg.tiny import tiny_model
         >>> model = tiny_model("bert", head="classification")
         >>> pruning_report(model) is None
         True
         >>> report = prune_heads(model, {0: [1, 3]})
         >>> pruning_report(model)
-        {'removed': {'0': [1, 3]}, 'heads_left': [2, 4], 'parameters': 23506}
+        {'removed': {'0': [1, 3]}, 'silenced': {}, 'heads_left': [2, 4], 'parameters': 23506}
+        >>> silence_heads(model, {1: [2]}); pruning_report(model)["silenced"]
+        {'1': [2]}
     """
-    removed = pruned_heads(model)
-    if not removed:
+    model = transformers_model(model)
+    removed, silenced = pruned_heads(model), silenced_heads(model)
+    if not removed and not silenced:
         return None
     layers = attach(model).num_layers
     return {
         "removed": {str(layer): list(heads) for layer, heads in removed.items()},
+        "silenced": {str(layer): list(heads) for layer, heads in silenced.items() if heads},
         "heads_left": [len(head_numbers(model, layer)) for layer in range(layers)],
         "parameters": count_parameters(model),
     }
+
+
+def without_silenced(result: Any, model: torch.nn.Module) -> Any:
+    """`result` (`attnreg.analysis.parent_accuracy`'s) with the model's silenced heads read as absent (NaN), as
+    removed heads are: they add nothing to the model's output, whatever their attention looks like.
+
+    Example:
+        >>> from attnreg.analysis import ParentAccuracy
+        >>> from attnreg.methods.pruning import silence_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("bert"); silence_heads(model, {0: [1]})
+        >>> result = ParentAccuracy(hits=torch.zeros(2, 4)); result.present[:] = True
+        >>> without_silenced(result, model).present[0].tolist()
+        [True, False, True, True]
+    """
+    for layer, heads in silenced_heads(transformers_model(model)).items():
+        result.present[layer, list(heads)] = False
+    return result
 
 
 def head_report(
@@ -146,7 +170,7 @@ def head_report(
         >>> sorted(report["supervised"]), report["sentences"], len(report["per_head"])
         (['L0H0', 'L1H0'], 4, 2)
     """
-    result = parent_accuracy(model, tokenizer, sentences, max_length=max_length)
+    result = without_silenced(parent_accuracy(model, tokenizer, sentences, max_length=max_length), model)
     table = result.accuracy
     chosen = {
         f"L{layer}H{head}": _number(table[layer, head])

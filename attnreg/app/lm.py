@@ -13,8 +13,9 @@ assistant reply is parsed (or read from the row's `parse`) and the prior covers 
 (`attnreg.syntax.SyntaxCollator(messages=...)`).
 
 Every row is checked when the data is set up, before training: an empty or malformed CoNLL-U file, a parse whose
-words are not in its text, a chat row without an assistant turn, a tokenizer without a chat template are refused
-naming the file and row.
+words are not in its text, a chat row without an assistant turn, a tokenizer without a chat template, and a row that
+would train on nothing (one token of text, or a chat row whose assistant tokens `data.max_length` cuts away: its loss
+would be NaN) are refused naming the file and row.
 
 Example:
     >>> import warnings
@@ -60,6 +61,7 @@ class LMCollator:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None = 128) -> None:
+        check_lm_max_length(max_length)
         self.tokenizer, self.max_length = tokenizer, max_length
 
     def __call__(self, examples: Sequence[Sentence | Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -70,6 +72,57 @@ class LMCollator:
         batch = {key: encoding[key] for key in ("input_ids", "attention_mask")}
         batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         return batch
+
+
+def check_lm_max_length(max_length: int | None) -> None:
+    """Refuse a `max_length` under 2 tokens: a causal LM predicts each token from the ones before it, so rows cut to
+    one token train on nothing (a NaN loss).
+
+    Example:
+        >>> check_lm_max_length(1)
+        Traceback (most recent call last):
+        ...
+        ValueError: data.max_length=1 leaves each row at most 1 token: a causal LM predicts each token from the ones ...
+    """
+    if max_length is not None and max_length < 2:
+        raise ValueError(
+            f"data.max_length={max_length} leaves each row at most {max(max_length, 0)} token: a causal LM predicts "
+            "each token from the ones before it, so it would train on nothing (a NaN loss); set data.max_length to "
+            "2 or more (null: no limit)"
+        )
+
+
+def check_lm_rows(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], wheres: Sequence[str], max_length: int | None
+) -> None:
+    """Refuse rows that would train on nothing: a `max_length` under 2 (`check_lm_max_length`), or a text that
+    tokenizes as `LMCollator` tokenizes it (special tokens included) to a single token, which no token precedes (a
+    batch of such rows has a NaN loss). Names the first such row by its `wheres` entry (file:line), counts the others.
+
+    Example:
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> backend = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "hello": 2, "there": 3}, unk_token="[UNK]"))
+        >>> backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()          # no BOS or EOS token added
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]")
+        >>> check_lm_rows(tokenizer, ["hello there"], ["t.txt:1"], max_length=8)
+        >>> check_lm_rows(tokenizer, ["hello there", "hello"], ["t.txt:1", "t.txt:2"], max_length=8)
+        Traceback (most recent call last):
+        ...
+        ValueError: t.txt:2: 'hello' is 1 token (the tokenizer adds no BOS or EOS token): a causal LM ...
+    """
+    check_lm_max_length(max_length)
+    lengths = [len(ids) for ids in tokenizer(list(texts))["input_ids"]] if texts else []
+    short = [index for index, length in enumerate(lengths) if length < 2]
+    if short:
+        first = short[0]
+        more = len(short) - 1
+        others = f" ({more} more row{'s are' if more > 1 else ' is'} so)" if more else ""
+        raise ValueError(
+            f"{wheres[first]}: {texts[first]!r} is {lengths[first]} token (the tokenizer adds no BOS or "
+            "EOS token): a causal LM predicts each token from the ones before it, so the row would train on nothing "
+            f"(a NaN loss in a batch of such rows){others}. Remove it, or raise data.min_words to drop rows this short"
+        )
 
 
 class DecoderDataModule(AppDataModule):
@@ -153,6 +206,7 @@ class LMDataModule(DecoderDataModule):
         self.files = {"train": train, "val": val}
         self.limits = {"train": limit_train, "val": limit_val}
         self.min_words = {"train": min_words, "val": min_words_val}
+        self.wheres: dict[str, list[str]] = {}  # where each row `read` kept comes from (file:line), for errors
 
     def read(self, split: str) -> list[Sentence | dict[str, str]]:
         path = Path(self.files[split]).expanduser()
@@ -162,9 +216,13 @@ class LMDataModule(DecoderDataModule):
             rows: list = [s for s in read_conllu(path) if len(s.words) >= self.min_words[split]]
             for sentence in rows:
                 word_spans(sentence)  # raises naming file:line when the words are not in the text
+            self.wheres[split] = [sentence.where for sentence in rows]
         else:
-            lines = path.read_text(encoding="utf-8").splitlines()
-            rows = [{"text": line.strip()} for line in lines if len(line.split()) >= max(self.min_words[split], 1)]
+            least = max(self.min_words[split], 1)
+            lines = enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+            numbered = [(number, line.strip()) for number, line in lines if len(line.split()) >= least]
+            rows = [{"text": text} for _, text in numbered]
+            self.wheres[split] = [f"{path}:{number}" for number, _ in numbered]
         if not rows:
             raise ValueError(f"{path}: no sentence (with at least {self.min_words[split]} word) in the file")
         return rows
@@ -173,12 +231,21 @@ class LMDataModule(DecoderDataModule):
         if self.datasets:
             return
         for split in ("train", "val"):
-            rows = self.read(split)[: self.limits[split]]
+            self.datasets[split] = self.read(split)[: self.limits[split]]
+        try:  # with the rows in place: a tokenizer built from them reads them through `setup`
+            for split in ("train", "val"):
+                rows = self.datasets[split]
+                wheres = self.wheres.get(split, [])[: len(rows)]
+                wheres += [f"data.{split} row {number}" for number in range(len(wheres) + 1, len(rows) + 1)]
+                check_lm_rows(self.tokenizer, [_text(row) for row in rows], wheres, self.max_length)
+        except ValueError:
+            self.datasets = {}
+            raise
+        for split, rows in self.datasets.items():
             if self.with_prior and rows and not isinstance(rows[0], Sentence):
                 from attnreg.syntax.parse import parse_texts
 
-                rows = parse_texts([row["text"] for row in rows])
-            self.datasets[split] = rows
+                self.datasets[split] = parse_texts([row["text"] for row in rows])
 
 
 class HubLMDataModule(LMDataModule):
@@ -213,7 +280,11 @@ class HubLMDataModule(LMDataModule):
                 f"are {dataset.column_names} (set data.text_field)"
             )
         least = max(self.min_words[split], 1)
-        rows = [{"text": text.strip()} for text in dataset[self.text_field] if len(text.split()) >= least]
+        numbered = [(number, text.strip()) for number, text in enumerate(dataset[self.text_field], start=1)]
+        numbered = [(number, text) for number, text in numbered if len(text.split()) >= least]
+        rows = [{"text": text} for _, text in numbered]
+        where = f"dataset {self.path} split {self.splits[split]} row"
+        self.wheres[split] = [f"{where} {number}" for number, _ in numbered]
         if not rows:
             raise ValueError(f"dataset {self.path!r} split {self.splits[split]!r}: no text")
         return rows
@@ -323,6 +394,14 @@ class ChatCollator:
                 assistant[row] |= (starts[row] >= begin) & (starts[row] < end) & (ends[row] > starts[row])
         keep = assistant & batch["attention_mask"].bool()
         batch["labels"] = batch["input_ids"].masked_fill(~keep, -100)
+        trained = (batch["labels"][:, 1:] != -100).any(dim=1)  # the loss predicts tokens 1 and on
+        if not bool(trained.all()):
+            row = int((~trained).nonzero()[0])
+            raise ValueError(
+                f"{rows[row].get('where', f'row {row}')}: no assistant token is left after truncation to max_length="
+                f"{self.max_length}: the row would train on nothing (a NaN loss). Raise data.max_length "
+                "(ChatDataModule checks every row when set up, saying how many tokens it needs)"
+            )
         return batch
 
 
@@ -383,6 +462,71 @@ def render_chat(
     return text, spans
 
 
+def check_assistant_tokens(
+    tokenizer: PreTrainedTokenizerBase,
+    rendered: Sequence[tuple[str, Sequence[tuple[int, int]]]],
+    wheres: Sequence[str],
+    max_length: int | None,
+) -> None:
+    """Refuse rows (`render_chat`'s text and assistant spans) that would train on nothing, as `ChatCollator`
+    tokenizes them: no assistant token the loss predicts (tokens 1 and on), or none left once `max_length` cuts the
+    row (on the tokenizer's `truncation_side`). Names the first such row by its `wheres` entry (file:line), the
+    setting `data.max_length` and how many tokens the row needs; counts the others.
+
+    Example:
+        >>> tokenizer = build_tokenizer(["a"]); tokenizer.chat_template = TINY_CHAT_TEMPLATE
+        >>> messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo"}]
+        >>> rendered = [render_chat(tokenizer, messages)]
+        >>> check_assistant_tokens(tokenizer, rendered, ["chat.jsonl:1"], max_length=13)
+        >>> check_assistant_tokens(tokenizer, rendered, ["chat.jsonl:1"], max_length=12)
+        Traceback (most recent call last):
+        ...
+        ValueError: chat.jsonl:1: data.max_length=12 cuts away every assistant token (the row renders to 13 tokens and
+        its first assistant token is token 13), so the row would train on nothing (a NaN loss). Set data.max_length to
+        13 or more to keep one (13 keeps the whole row), or shorten the conversation.
+    """
+    encoding = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    left = getattr(tokenizer, "truncation_side", "right") == "left"
+    refused: list[tuple[str, str, str]] = []  # (where, what is wrong, the fix)
+    longest = 0
+    for (_, spans), offsets, where in zip(rendered, encoding["offset_mapping"], wheres, strict=True):
+        tokens = len(offsets)
+        assistant = [
+            index
+            for index, (start, end) in enumerate(offsets)
+            if index >= 1 and end > start and any(begin <= start < stop for begin, stop in spans)
+        ]
+        if not assistant:
+            refused.append(
+                (where, "the assistant's replies render to no token the loss predicts", "Give the reply text.")
+            )
+            continue
+        if max_length is None:
+            continue
+        if left:  # the last `max_length` tokens are kept; the first of them is not predicted
+            needed, which = tokens - assistant[-1] + 1, f"last assistant token is token {assistant[-1] + 1}"
+        else:
+            needed, which = assistant[0] + 1, f"first assistant token is token {assistant[0] + 1}"
+        if max_length < needed:
+            longest = max(longest, needed)
+            what = (
+                f"data.max_length={max_length} cuts away every assistant token (the row renders to {tokens} tokens "
+                f"and its {which})"
+            )
+            fix = (
+                f"Set data.max_length to {needed} or more to keep one ({tokens} keeps the whole row), or shorten "
+                "the conversation."
+            )
+            refused.append((where, what, fix))
+    if refused:
+        where, what, fix = refused[0]
+        more = len(refused) - 1
+        others = f" {more} more row{'s are' if more > 1 else ' is'} refused too" if more else ""
+        if others and longest:
+            others += f"; the longest needs data.max_length={longest}"
+        raise ValueError(f"{where}: {what}, so the row would train on nothing (a NaN loss). {fix}{others}")
+
+
 def check_messages(row: Any, where: str) -> list[dict[str, str]]:
     """The row's messages, checked: a list of {"role", "content"} with known roles and at least one assistant turn.
 
@@ -406,7 +550,8 @@ def check_messages(row: Any, where: str) -> list[dict[str, str]]:
 class ChatDataModule(DecoderDataModule):
     """Chat SFT on JSON lines files (`train`, `val`), one `{"messages": [...]}` row a line; a row may carry the parse
     of its last assistant reply as `"parse": {"words", "heads", "relations"}` (else, with the prior on, spaCy parses
-    it). Rows are checked when set up (see `check_messages`), the chat template too.
+    it). Rows are checked when set up (see `check_messages`, and `check_assistant_tokens`: a row whose assistant
+    tokens `max_length` cuts away is refused), the chat template too.
 
     Example:
         >>> import tempfile
@@ -450,18 +595,21 @@ class ChatDataModule(DecoderDataModule):
         if self.datasets:
             return
         check_chat_template(self.tokenizer)
+        datasets = {}  # kept only once both splits pass: a second `setup` after an error checks again
         for split in ("train", "val"):
             rows = self.read_rows(split)[: self.limit_train if split == "train" else None]
-            items = []
+            items, rendered = [], []
             for where, row in rows:
                 if self.messages_field != "messages" and isinstance(row, Mapping):
                     row = {**row, "messages": row.get(self.messages_field)}
                 messages = check_messages(row, where)
-                render_chat(self.tokenizer, messages, where)
+                rendered.append(render_chat(self.tokenizer, messages, where))
                 items.append({"messages": messages, "where": where, "sentence": self.reply(row, messages, where)})
+            check_assistant_tokens(self.tokenizer, rendered, [item["where"] for item in items], self.max_length)
             if self.with_prior:
                 self._parse_missing(items)
-            self.datasets[split] = items
+            datasets[split] = items
+        self.datasets.update(datasets)
 
     def reply(self, row: Mapping[str, Any], messages: list[dict[str, str]], where: str) -> Sentence | None:
         """The last assistant reply as a `Sentence` when the row gives its parse (else None: parsed if needed)."""

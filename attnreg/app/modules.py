@@ -26,18 +26,58 @@ Example:
 from __future__ import annotations
 
 import inspect
+import random
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torchmetrics
 from transformers import PreTrainedModel, get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
 
+import attnreg
+from attnreg.compat import load_pending_loader_states
 from attnreg.hub import is_attached
 from attnreg.methods.pruning import gate_parameters
 from attnreg.mixin import AttnRegMixin
 
 SCHEDULES = {"linear": get_linear_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
+RNG_STATES = "attnreg_rng_states"
+"""Checkpoint entry of `FineTuner`: the random generators' states at the save (`rng_states`)."""
+
+
+def rng_states() -> dict[str, Any]:
+    """The states of torch's generators (CPU, and each CUDA device's once CUDA is initialized), Python's and NumPy's,
+    in types a `weights_only` load accepts; `set_rng_states` sets them back.
+
+    Example:
+        >>> states = rng_states(); first = torch.rand(2)
+        >>> set_rng_states(states); torch.equal(torch.rand(2), first)
+        True
+    """
+    python = random.getstate()
+    numpy = np.random.get_state(legacy=False)
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [python[0], list(python[1]), python[2]],
+        "numpy": {**numpy, "state": {"key": numpy["state"]["key"].tolist(), "pos": numpy["state"]["pos"]}},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Set the generators' states that `rng_states` returned (CUDA's where this process has as many devices)."""
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy = states["numpy"]
+    key = np.asarray(numpy["state"]["key"], dtype=np.uint32)
+    np.random.set_state({**numpy, "state": {"key": key, "pos": numpy["state"]["pos"]}})
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
 
 
 class FineTuner(AttnRegMixin, L.LightningModule):
@@ -81,6 +121,7 @@ class FineTuner(AttnRegMixin, L.LightningModule):
         self.gate_lr = lr if gate_lr is None else gate_lr
         self.save_hyperparameters(ignore=["model"])  # a module, not a hyperparameter
         self._inputs = set(inspect.signature(model.forward).parameters)
+        self._resumed_rng: dict[str, Any] | None = None  # a checkpoint's random states, set when training starts
         if "kwargs" in self._inputs:  # a PEFT model's forward passes **kwargs on to the base model's
             base = getattr(model, "get_base_model", lambda: model)()
             self._inputs |= set(inspect.signature(base.forward).parameters)
@@ -99,6 +140,25 @@ class FineTuner(AttnRegMixin, L.LightningModule):
         loss = self(batch).loss
         self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
         return loss
+
+    # -- a resumed run draws the random numbers (dropout) the uninterrupted one drew --------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[RNG_STATES] = rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._resumed_rng = checkpoint.get(RNG_STATES)
+
+    def on_train_start(self) -> None:
+        """On resume, the training loader's position and the random generators as the checkpoint left them: set here,
+        with the training data's iterator made and nothing left to draw before the next training batch, as after the
+        save in the uninterrupted run."""
+        super().on_train_start()
+        load_pending_loader_states(self.trainer)  # where the training order stands (`ResumableLoader`)
+        states, self._resumed_rng = self._resumed_rng, None
+        if states is not None:
+            set_rng_states(states)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -201,3 +261,10 @@ class CausalLM(FineTuner):
         self.log("val/perplexity", loss.exp())
         self.val_nll.reset()
         self.val_tokens.reset()
+
+
+def __getattr__(name: str):
+    """`Distiller`, gone: an error naming what replaces it (`attnreg.REMOVED`)."""
+    if name == "Distiller":
+        raise attnreg.removed_name(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

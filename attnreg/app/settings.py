@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import warnings
@@ -20,10 +21,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from attnreg import deprecations
 from attnreg.callbacks import MethodCallback
+from attnreg.families import detect_family
+from attnreg.heads import head_numbers
 from attnreg.methods import HeadGating, Method
 from attnreg.methods.pruning.importance import ImportanceRemoval
 from attnreg.syntax import SyntaxCollator, check_priors, describe_counts
+from attnreg.unwrap import transformers_model
 
 MONITOR_GOLD_SENTENCES = 64  # how many held-out gold trees a callback that needs "gold_trees" gets
 
@@ -38,16 +43,9 @@ NEEDS = {
     "`method.teacher` (a setting `teacher: base`)",
 }
 
-RENAMED_CONFIGS = {
-    "syntax_kl": "syntax_prior_kl",
-    "syntax_kl_minilm": "syntax_prior_kl_minilm",
-    "entropy": "entropy_regularizer",
-    "entropy_max": "entropy_regularizer_max",
-    "dropout_schedule": "attention_dropout_schedule",
-    "monitor": "attention_monitor",
-    "hard_concrete": "head_gating_hard_concrete",
-}
-"""Old names of the `attnreg` config group, still usable for one release: the method's name is the new one."""
+RENAMED_CONFIGS = deprecations.renamed("config", "attnreg=")
+"""Old names of the `attnreg` config group (`attnreg.deprecations`), still usable until the release that removes them:
+the method's name is the new one."""
 
 
 def warn_renamed(choices: Mapping[str, Any]) -> list[str]:
@@ -61,17 +59,13 @@ def warn_renamed(choices: Mapping[str, Any]) -> list[str]:
         ...     warn_renamed({"attnreg": "[syntax_kl, head_gating]"})
         ['syntax_kl']
         >>> print(caught[0].message)
-        attnreg=syntax_kl is deprecated: use attnreg=syntax_prior_kl (the same config under the method's name)
+        attnreg=syntax_kl is deprecated: use attnreg=syntax_prior_kl (the same config under the method's name); it
+        will be removed in 0.3.0
     """
     chosen = re.findall(r"\w+", str(choices.get("attnreg") or ""))
     old = [name for name in chosen if name in RENAMED_CONFIGS]
     for name in old:
-        warnings.warn(
-            f"attnreg={name} is deprecated: use attnreg={RENAMED_CONFIGS[name]} (the same config under the method's "
-            "name)",
-            FutureWarning,
-            stacklevel=2,
-        )
+        deprecations.warn(f"attnreg={name}", stacklevel=2)
     return old
 
 
@@ -127,6 +121,65 @@ def removes_heads(callbacks: Iterable[L.Callback]) -> bool:
         (True, False)
     """
     return any(isinstance(settings_of(callback), HeadGating | ImportanceRemoval) for callback in callbacks)
+
+
+def protect_supervised(callbacks: Iterable[L.Callback], model: nn.Module) -> dict[int, list[int]]:
+    """Add the heads a syntax prior supervises (`supervised_heads`; all layers or heads where it names none) to the
+    `protect` of every `HeadGating`, so that gating never removes or silences them; returns {layer: heads} added.
+    The app calls it unless the config sets `protect_supervised: false`.
+
+    Example:
+        >>> import attnreg
+        >>> from attnreg.tiny import tiny_model
+        >>> gating = attnreg.HeadGating()
+        >>> protect_supervised([attnreg.SyntaxPriorKL(heads=[0]), gating], tiny_model("bert"))
+        {0: [0], 1: [0]}
+        >>> gating.method.removal.protect
+        {0: (0,), 1: (0,)}
+    """
+    callbacks = list(callbacks)
+    model = transformers_model(model)
+    layers = range(len(detect_family(model).blocks(model)))
+    supervised = {
+        layer: sorted(heads if heads is not None else head_numbers(model, layer))
+        for layer, heads in supervised_heads(callbacks, layers).items()
+    }
+    for callback in callbacks:
+        method = settings_of(callback)
+        if not isinstance(method, HeadGating) or not supervised:
+            continue
+        gated = set(layers if method.layers_argument is None else _as_list(method.layers_argument))
+        protect = {layer: list(heads) for layer, heads in (method.removal.protect or {}).items()}
+        for layer, heads in supervised.items():
+            if layer in gated:
+                protect[layer] = sorted({*protect.get(layer, ()), *heads})
+        method.removal = dataclasses.replace(method.removal, protect=protect)
+    return supervised
+
+
+def supervised_heads(callbacks: Iterable[L.Callback], all_layers: Iterable[int] = ()) -> dict[int, list[int] | None]:
+    """{layer: heads (None = all)} that the callbacks needing the syntax prior (`SyntaxPriorKL`) supervise, read from
+    their methods' `layers` (`all_layers` for one that names none) and `heads_of`.
+
+    Example:
+        >>> import attnreg
+        >>> supervised_heads([attnreg.SyntaxPriorKL(layers=[0, 1], heads=[0]), attnreg.EntropyRegularizer()])
+        {0: [0], 1: [0]}
+        >>> supervised_heads([attnreg.SyntaxPriorKL(heads=[2])], all_layers=range(2))
+        {0: [2], 1: [2]}
+    """
+    heads: dict[int, list[int] | None] = {}
+    for callback in callbacks:
+        if "prior" in needs_of(callback):
+            method = settings_of(callback)
+            layers = getattr(method, "layers", None)
+            for layer in all_layers if layers is None else layers:
+                heads[layer] = method.heads_of(layer)
+    return heads
+
+
+def _as_list(layers: int | Iterable[int]) -> list[int]:
+    return [layers] if isinstance(layers, int) else list(layers)
 
 
 def settings_of(callback: L.Callback) -> Any:

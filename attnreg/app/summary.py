@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from attnreg.app.decoder_evaluation import decoder_head_report, generation_speed, greedy_continuations, perplexity
 from attnreg.app.evaluation import accuracy, head_report, layer_entropy, pruning_report
-from attnreg.app.settings import attnreg_settings, needs_of, settings_of
+from attnreg.app.settings import attnreg_settings, supervised_heads
 from attnreg.hub import detach, is_attached
 from attnreg.methods.pruning import count_parameters
 from attnreg.unwrap import transformers_model
@@ -126,7 +126,7 @@ def summarize(
         >>> sorted(summary["accuracy"]), len(summary["entropy"]), list(summary["parent_accuracy"]["supervised"])
         (['hard', 'test', 'val'], 2, ['L0H1'])
     """
-    if getattr(data, "task", "classification") != "classification":
+    if data.task != "classification":
         return summarize_decoder(cfg, model, data, callbacks, trainer, seconds, choices)
     eval_sets = data.eval_sets()
     summary: dict[str, Any] = {
@@ -199,7 +199,9 @@ def summarize_decoder(
         "metrics": {key: round(float(value), 4) for key, value in trainer.callback_metrics.items()},
         "entropy": [None if value is None else round(value, 4) for value in layer_entropy(model, val)],
         "parent_accuracy": None,
-        "continuations": greedy_continuations(model, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16)),
+        "continuations": greedy_continuations(
+            model, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16), chat=data.task == "chat"
+        ),
         "pruning": pruning_report(model),
         "prior_arcs": prior_arcs(data),
     }
@@ -237,24 +239,6 @@ def served(model: Any) -> Any:
     if is_attached(merged):
         detach(merged)  # folds gates into the base weights and the adapter first
     return merged.merge_and_unload().eval()
-
-
-def supervised_heads(callbacks: Iterable[L.Callback]) -> dict[int, list[int] | None]:
-    """{layer: heads (None = all)} that the callbacks needing the syntax prior (`SyntaxPriorKL`) supervised
-    with it, read from their methods' `layers` and `heads_of` (one without `layers` supervises none).
-
-    Example:
-        >>> import attnreg
-        >>> supervised_heads([attnreg.SyntaxPriorKL(layers=[0, 1], heads=[0]), attnreg.EntropyRegularizer()])
-        {0: [0], 1: [0]}
-    """
-    heads: dict[int, list[int] | None] = {}
-    for callback in callbacks:
-        if "prior" in needs_of(callback):
-            method = settings_of(callback)
-            for layer in getattr(method, "layers", None) or ():
-                heads[layer] = method.heads_of(layer)
-    return heads
 
 
 def prior_arcs(data: Any) -> dict[str, int] | None:
@@ -301,7 +285,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines[2] += "  (test: 0-1 distractor verbs as in training; hard: 2)"
     heads = summary.get("parent_accuracy")
     if heads:
-        supervised = ", ".join(f"{name} {_fraction(value)}" for name, value in heads["supervised"].items()) or "none"
+        supervised = _supervised(heads, summary.get("pruning"))
         if "right_branching" in heads:
             baseline = f"right-branching {heads['right_branching']:.3f}"
         else:  # a decoder: accuracy over the parents to the left, the only ones a causal head can attend to
@@ -327,12 +311,14 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         )
     pruning = summary.get("pruning")
     if pruning:
-        removed = "; ".join(f"layer {layer}: {heads}" for layer, heads in pruning["removed"].items())
+        removed = "; ".join(f"layer {layer}: {heads}" for layer, heads in pruning["removed"].items()) or "none removed"
         lines.append(
-            f"heads pruned: {removed} (heads left per layer {pruning['heads_left']}, saved to {pruning.get('saved')})"
+            f"heads pruned: {removed}{_silenced(pruning)} (heads left per layer {pruning['heads_left']}, saved to "
+            f"{pruning.get('saved')})"
         )
     else:
         lines.append("heads pruned: none")
+    lines += _saved_models(summary)
     lines.append(f"outputs: {summary.get('output_dir')}")
     return "\n".join(lines)
 
@@ -369,7 +355,7 @@ def format_decoder_summary(summary: Mapping[str, Any]) -> str:
     ]
     heads = summary.get("parent_accuracy")
     if heads:
-        supervised = ", ".join(f"{name} {_fraction(value)}" for name, value in heads["supervised"].items()) or "none"
+        supervised = _supervised(heads, summary.get("pruning"))
         lines.append(
             f"parent accuracy over the {heads['left_parent_share']:.1%} of words whose parent is to their left "
             f"({heads['sentences']} held-out sentences): supervised {supervised}; best head {heads['best_head']} "
@@ -383,7 +369,7 @@ def format_decoder_summary(summary: Mapping[str, Any]) -> str:
     if pruning:
         count = sum(len(heads) for heads in pruning["removed"].values())
         removed = "; ".join(f"layer {layer}: {heads}" for layer, heads in pruning["removed"].items())
-        line = f"heads pruned: {count} ({removed}); {pruning['parameters']} parameters"
+        line = f"heads pruned: {count} ({removed}){_silenced(pruning)}; {pruning['parameters']} parameters"
         speed = pruning.get("generation")
         if speed:
             line += (
@@ -395,11 +381,36 @@ def format_decoder_summary(summary: Mapping[str, Any]) -> str:
         lines.append("heads pruned: none")
     for prompt, continuation in (summary.get("continuations") or {}).items():
         lines.append(f"greedy: {prompt!r} -> {continuation!r}")
-    for name in ("adapter", "merged_model", "model"):
-        if summary.get(name):
-            lines.append(f"{name.replace('_', ' ')}: {summary[name]}")
+    lines += _saved_models(summary)
     lines.append(f"outputs: {summary.get('output_dir')}")
     return "\n".join(lines)
+
+
+def _silenced(pruning: Mapping[str, Any]) -> str:
+    """The silenced heads (grouped-query attention keeps them in place, adding nothing), for the pruning line."""
+    silenced = "; ".join(f"layer {layer}: {heads}" for layer, heads in (pruning.get("silenced") or {}).items())
+    return f"; silenced (in place, adding nothing): {silenced}" if silenced else ""
+
+
+def _supervised(heads: Mapping[str, Any], pruning: Mapping[str, Any] | None) -> str:
+    """The supervised heads' parent accuracy, a head that was removed or silenced named so."""
+    silenced = {
+        f"L{layer}H{head}" for layer, numbers in ((pruning or {}).get("silenced") or {}).items() for head in numbers
+    }
+    values = [
+        f"{name} {'silenced' if value is None and name in silenced else _fraction(value)}"
+        for name, value in heads["supervised"].items()
+    ]
+    return ", ".join(values) or "none"
+
+
+def _saved_models(summary: Mapping[str, Any]) -> list[str]:
+    """A line per model folder the run wrote (`adapter`, `merged_model`, `model`)."""
+    return [
+        f"{name.replace('_', ' ')}: {summary[name]}"
+        for name in ("adapter", "merged_model", "model")
+        if summary.get(name)
+    ]
 
 
 def _fraction(value: float | None) -> str:

@@ -49,9 +49,10 @@ Example:
     attention entropy per layer (normalized): ..., ...
     parent accuracy on 32 held-out sentences: supervised none; best head ...; right-branching ...
     heads pruned: none
+    model: ...
     outputs: ...
     >>> sorted(path.name for path in run_dir.iterdir())   # Hydra's run folder (train.log with job_logging)
-    ['.hydra', 'checkpoints', 'csv', 'summary.json']
+    ['.hydra', 'checkpoints', 'csv', 'model', 'summary.json']
 """
 
 from __future__ import annotations
@@ -70,18 +71,25 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
 from attnreg.app.configs import register_resolvers
 from attnreg.app.failed_jobs import failed_jobs_reported
-from attnreg.app.models import add_lora, load_tokenizer
+from attnreg.app.models import add_lora, decoder_family, load_tokenizer
 from attnreg.app.modules import CausalLM
-from attnreg.app.settings import instantiate_callbacks, needs_of, provide, removes_heads, warn_renamed
+from attnreg.app.settings import (
+    instantiate_callbacks,
+    needs_of,
+    protect_supervised,
+    provide,
+    removes_heads,
+    warn_renamed,
+)
 from attnreg.app.summary import describe_run, format_summary, metric, summarize, summarize_decoder
 from attnreg.families import detect_family
 from attnreg.hub import detach, is_attached
-from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned
+from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned, silenced_heads
 from attnreg.syntax.data import SyntaxCollator
 from attnreg.unwrap import transformers_model
 
@@ -113,11 +121,12 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         parent accuracy on 32 held-out sentences: supervised L0H0 ..., L1H0 ...; best head ...; right-branching ...
         syntax prior: ... arcs in ... sentences, 0 without a prior (0.0%: truncated, or sharing a token)
         heads pruned: none
+        model: ...
         outputs: ...
         >>> summary["steps"], sorted(summary["accuracy"]), summary["parent_accuracy"]["supervised"].keys()
         (2, ['hard', 'test', 'val'], dict_keys(['L0H0', 'L1H0']))
         >>> sorted(path.name for path in output_dir.iterdir()), Path(summary["checkpoint"]).name
-        (['checkpoints', 'csv', 'summary.json'], 'best.ckpt')
+        (['checkpoints', 'csv', 'model', 'summary.json'], 'best.ckpt')
     """
     register_resolvers()  # for callers that composed `cfg` themselves
     output_dir = Path(output_dir)
@@ -132,7 +141,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
     )
     data = instantiate(cfg.data, tokenizer=tokenizer, with_prior="prior" in needs)
-    task = getattr(data, "task", "classification")
+    task = data.task
     data.setup("fit")  # every row checked before the model loads (decoder data; idempotent for all)
     if task != "classification" and cfg.model._target_.endswith("_classifier"):
         raise ValueError(
@@ -143,6 +152,8 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     check_task(task, model, cfg)
     decoder = task != "classification"
     pruning = removes_heads(callbacks.values())
+    if pruning and cfg.get("protect_supervised", True):
+        protect_supervised(callbacks.values(), model)
     # the model as built: generation speed against it, and the teacher of a `teacher: base` setting
     base = copy.deepcopy(model).eval() if (decoder and pruning) or "base_model" in needs else None
     unpruned = base if decoder and pruning else None
@@ -157,6 +168,8 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         instantiate(cfg[key], dirpath=str(output_dir / "checkpoints")) for key in CHECKPOINTS if cfg.get(key)
     ]
     logger = instantiate(cfg.logger, save_dir=str(output_dir)) if cfg.get("logger") else False
+    if logger:  # the whole run's settings: seed, data, model, each method's, the config groups chosen
+        logger.log_hyperparams(run_settings(cfg, choices or {}))
     trainer = instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks.values(), *checkpoints])
     log.info(describe_run(cfg, model, trainer, choices or {}))
 
@@ -181,6 +194,21 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     return summary
+
+
+def run_settings(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str, Any]:
+    """The composed config, resolved, with the config-group choices (`choices/<group>`): what a logger records as
+    the run's hyperparameters (MLflow's params, TensorBoard's and CSV's `hparams.yaml`), nested keys joined by "/".
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"seed": 1, "attnreg": {"kl": {"weight": 0.5}}})
+        >>> run_settings(cfg, {"model": "tiny_bert", "hydra/launcher": "basic"})
+        {'seed': 1, 'attnreg': {'kl': {'weight': 0.5}}, 'choices': {'model': 'tiny_bert'}}
+    """
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    chosen = {key: value for key, value in choices.items() if not key.startswith("hydra")}
+    return {**settings, **({"choices": chosen} if chosen else {})}
 
 
 class StepLog(L.Callback):
@@ -266,7 +294,7 @@ def check_task(task: str, model: PreTrainedModel, cfg: DictConfig) -> None:
         ...
         ValueError: model LlamaForCausalLM is a causal LM and the data is a classification task: it would be trained ...
     """
-    causal_lm = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    causal_lm = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")) and decoder_family(model.config)
     if task == "classification" and causal_lm:
         raise ValueError(
             f"model {type(model).__name__} is a causal LM and the data is a classification task: it would be trained "
@@ -313,8 +341,11 @@ def save_outputs(
             if is_attached(merged):
                 detach(merged)  # folds gates into the base weights and the adapter first
             merged = merged.merge_and_unload()
-            merged.save_pretrained(output_dir / "merged_model")
-            tokenizer.save_pretrained(output_dir / "merged_model")
+            if pruned_heads(merged) or silenced_heads(merged):  # the record goes along: load_pruned rebuilds it
+                save_pruned(merged, output_dir / "merged_model", tokenizer=tokenizer)
+            else:
+                merged.save_pretrained(output_dir / "merged_model")
+                tokenizer.save_pretrained(output_dir / "merged_model")
             outputs["merged_model"] = str(output_dir / "merged_model")
     elif cfg.get("save_model") and not pruned:
         saved = copy.deepcopy(model)

@@ -1,12 +1,13 @@
-"""`python -m attnreg.app.view RUN_DIR`: the head view of an `attnreg-train` run, its best checkpoint beside the
-model it started from, on the run's held-out sentences with gold trees, its supervised heads marked.
+"""`python -m attnreg.app.view RUN_DIR`: the head view of an `attnreg-train` run, the model it ended with (the one its
+summary evaluated: the model it saved, else its last checkpoint) beside the model it started from, on the run's
+held-out sentences with gold trees, its supervised heads marked.
 
 A run that trained a LoRA adapter (`peft=lora`) is viewed with the adapter merged into the base model
 (`merge_and_unload`), as its `merged_model/` holds it.
 
 `make demo` trains the default run (the built-in agreement task, the syntax prior on head 0 of every layer) into
 `outputs/demo` and writes `outputs/demo/head_view.html` this way. The run folder is Hydra's: `.hydra/config.yaml`
-rebuilds the data and the model as the run began, `summary.json` names the best checkpoint and the heads the syntax
+rebuilds the data and the model as the run began, `summary.json` names the saved model and the heads the syntax
 prior supervised.
 
 Example:
@@ -32,12 +33,13 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from attnreg.analysis import HeadView, head_view
-from attnreg.app.analyze import _load_checkpoint
+from attnreg.app.analyze import _load_checkpoint, load_folder
 from attnreg.app.configs import register_resolvers
 from attnreg.app.models import add_lora, load_tokenizer
 from attnreg.hub import attach, detach
@@ -56,31 +58,20 @@ def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = 
     register_resolvers()
     cfg = OmegaConf.load(config)
     summary = json.loads(summary_file.read_text())
-    if not summary.get("checkpoint"):
-        raise FileNotFoundError(f"{summary_file} names no checkpoint: the run saved none")
     supervised: dict[int, list[int]] = {}  # the heads the summary reports as supervised: "L0H0", ...
     for name in (summary.get("parent_accuracy") or {}).get("supervised") or {}:
         layer, head = map(int, re.fullmatch(r"L(\d+)H(\d+)", name).groups())
         supervised.setdefault(layer, []).append(head)
-    tokenizer = load_tokenizer(cfg.model.name_or_path) if "name_or_path" in cfg.model else None
+    tokenizer = (
+        load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
+    )
     data = instantiate(cfg.data, tokenizer=tokenizer, with_prior=False)
     data.setup("fit")
     held_out = data.tree_sentences()
     if not held_out:
         raise ValueError(f"the data of {run_dir} ({cfg.data._target_}) has no held-out sentences with gold trees")
     start = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels).eval()  # as the run began
-    trained = copy.deepcopy(start)
-    if cfg.get("peft"):  # the LoRA adapter the run trained, on the base model, as `attnreg-train` wrapped it
-        task_type = "SEQ_CLS" if getattr(data, "task", "classification") == "classification" else "CAUSAL_LM"
-        trained = add_lora(trained, **cfg.peft, seed=cfg.seed, task_type=task_type)
-    checkpoint = _load_checkpoint(Path(summary["checkpoint"]), trust_checkpoint)
-    state = {key[len("model.") :]: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.")}
-    attach(trained)  # gates and temperatures in the state dict are created on load
-    restore_pruning(transformers_model(trained), checkpoint)  # the transformers model, inside an adapter too
-    trained.load_state_dict(state, strict=True)
-    if cfg.get("peft"):  # viewed merged, as the run's merged_model/: gates folded into base and adapter, then merged
-        detach(trained)
-        trained = trained.merge_and_unload()
+    trained = trained_model(run_dir, summary, cfg, start, data, trust_checkpoint)
     view = head_view(
         trained.eval(),
         data.tokenizer,
@@ -93,6 +84,40 @@ def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = 
     )
     heads = [f"L{layer}H{head}" for layer, chosen in supervised.items() for head in chosen]
     return view, ", ".join(heads) or "none"
+
+
+SAVED_MODELS = ("pruning", "merged_model", "model")
+"""Where a run's summary names the model it ended with, in order: `pruning.saved` (`pruned_model/`, with its adapter),
+`merged_model/` (LoRA merged in), `model/` (`save_model`)."""
+
+
+def trained_model(run_dir: Path, summary: dict, cfg: Any, start: Any, data: Any, trust_checkpoint: bool = False) -> Any:
+    """The model the run ended with, the one its summary evaluated: the folder it saved (`SAVED_MODELS`), else its
+    `last.ckpt` (written at every validation), else its best checkpoint, on a copy of `start`."""
+    for key in SAVED_MODELS:
+        saved = (summary.get(key) or {}).get("saved") if key == "pruning" else summary.get(key)
+        if saved and Path(saved).is_dir():
+            return load_folder(Path(saved))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    path = last if last.is_file() else Path(summary["checkpoint"]) if summary.get("checkpoint") else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir} holds no model to view: no saved model ({', '.join(SAVED_MODELS)} in summary.json) and no "
+            f"checkpoint ({last} or the best); run attnreg-train with save_model=true"
+        )
+    trained = copy.deepcopy(start)
+    if cfg.get("peft"):  # the LoRA adapter the run trained, on the base model, as `attnreg-train` wrapped it
+        task_type = "SEQ_CLS" if data.task == "classification" else "CAUSAL_LM"
+        trained = add_lora(trained, **cfg.peft, seed=cfg.seed, task_type=task_type)
+    checkpoint = _load_checkpoint(path, trust_checkpoint)
+    state = {key[len("model.") :]: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.")}
+    attach(trained)  # gates and temperatures in the state dict are created on load
+    restore_pruning(transformers_model(trained), checkpoint)  # the transformers model, inside an adapter too
+    trained.load_state_dict(state, strict=True)
+    if cfg.get("peft"):  # viewed merged, as the run's merged_model/: gates folded into base and adapter, then merged
+        detach(trained)
+        trained = trained.merge_and_unload()
+    return trained
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,12 +23,12 @@ Example:
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 
+from attnreg import deprecations
 from attnreg.callbacks.events import LightningEvents
 from attnreg.compat import callback_state_key
 from attnreg.methods import Method, Runner
@@ -64,7 +64,7 @@ class MethodCallback(LightningEvents):
         else:
             self.method = self.method_class(*args, **kwargs)
         super().__init__()
-        self._trainer: L.Trainer | None = None
+        self.fit_trainer: L.Trainer | None = None
 
     def __getattr__(self, name: str) -> Any:
         """Only for a missing attribute: an AttributeError that names the method's, where it has one.
@@ -129,7 +129,7 @@ class MethodCallback(LightningEvents):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" or self.all_stages:
-            self._trainer = trainer
+            self.fit_trainer = trainer
             self.bind(trainer, pl_module)
 
     @property
@@ -145,7 +145,7 @@ class MethodCallback(LightningEvents):
         """
         if not hasattr(self.method, "current_weight"):
             raise AttributeError(f"{type(self.method).__name__} has no weight")
-        return lambda: self.method.current_weight(self._trainer.global_step if self._trainer is not None else 0)
+        return lambda: self.method.current_weight(self.fit_trainer.global_step if self.fit_trainer is not None else 0)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" and not self.all_stages:
@@ -176,9 +176,7 @@ def renamed_callback(old: str) -> type[MethodCallback]:
         >>> TermCallback is MethodCallback, caught[0].category.__name__
         (True, 'FutureWarning')
     """
-    warnings.warn(
-        f"{old} is deprecated: use attnreg.callbacks.MethodCallback (the same class)", FutureWarning, stacklevel=3
-    )
+    deprecations.warn(old, stacklevel=3)
     return MethodCallback
 
 

@@ -11,7 +11,8 @@ The events, each optional (the base class does nothing):
 3. `start(estimated_steps)`, then `on_fit_start(loop)`: the training length is fixed; the optimizer exists.
 4. every optimizer step: `on_step_begin(loop)`; `term(record, batch, step)` on every micro-batch for a
    method with a loss term (the layers in `layers` are captured, their inputs with `inputs=True`; a term that is
-   a mean over items says how many in `items(batch)`);
+   a mean over items says how many in `items(batch)`, one of several means per part, and is told the step's in
+   `weigh`);
    `on_before_optimizer_step(loop)`; `on_step_end(loop)`.
 5. `on_epoch_begin(loop)`, `on_epoch_end(loop)`; `on_fit_end(loop)` once training is over;
    `teardown()` in every case (what must not outlive training: dropout rates, `requires_grad`).
@@ -126,6 +127,7 @@ class Method:
     layers: tuple[int, ...] | None = ()  # the layers a loss term reads (captured for it); None: all
     inputs = False  # the term reads what the layers received (`LayerInputs`), not probabilities
     batch_keys: tuple[str, ...] = ()  # batch entries the method reads that the model must not receive
+    depends_on_batch = True  # False: a term of the parameters alone (a gate penalty), which no split of a batch changes
 
     def __init__(self, name: str | None = None, total_steps: int | None = None) -> None:
         self.name_argument = name
@@ -186,11 +188,19 @@ class Method:
         `record` holds what the hub captured of `layers` in the micro-batch's forward."""
         return None
 
-    def items(self, batch: Any) -> int | None:
+    def items(self, batch: Any) -> int | Mapping[str, int] | None:
         """How many items (query rows, tokens) the term of `batch` is a mean over, for a term that is one; None
         for the others. An adapter that sees an optimizer step's micro-batches ahead (the `Trainer`) weighs
-        each micro-batch's term by its share of the step's items, over processes too (`Runner.window`)."""
+        each micro-batch's term by its share of the step's items, over processes too (`Runner.window`).
+        A term that combines several means (one per layer, say) counts each: `{part: items}`, the same parts for
+        every batch and process; it is then handed the step's totals in `weigh` and weighs each part itself."""
         return None
+
+    def weigh(self, items: Mapping[str, float] | None, parts: int) -> None:
+        """For a term whose `items` are per part: `items`, each part's items over the micro-batches of the optimizer
+        step to come (all processes), and `parts`, how many micro-batches times processes share them, so that each
+        micro-batch's term is `parts` times its share of the step's mean; None once the step is over (then each
+        micro-batch's term is its own mean). Nothing by default."""
 
     def on_before_optimizer_step(self, loop: Loop) -> None:
         """The gradients of optimizer step `loop.step` are complete; the optimizer has not stepped."""

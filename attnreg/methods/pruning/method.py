@@ -87,6 +87,7 @@ class HeadGating(Method):
     """
 
     default_name = "head_gating"
+    depends_on_batch = False  # the penalty reads the gates alone, whatever the batch
 
     def __init__(
         self,

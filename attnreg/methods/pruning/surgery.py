@@ -29,6 +29,7 @@ from attnreg.heads import (
 from attnreg.methods.pruning.gates import _hub_or_none, _remove_gate
 from attnreg.methods.pruning.optimizer_state import _as_list, drop_from_optimizer, slice_optimizer_state
 from attnreg.records import GATE, TEMPERATURE
+from attnreg.unwrap import transformers_model
 
 SILENCE = "attnreg_silence"
 """Name of the non-persistent buffer (1 per head, 0 where silenced) on an output projection with silenced heads."""
@@ -101,6 +102,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.op
         ...
         ValueError: head 1 of layer 0 was already pruned (removed there so far: [0, 1]); nothing was changed
     """
+    model = transformers_model(model)  # inside a PEFT model: its LoRA factors are sliced along
     family = detect_family(model)
     plans = _plan(model, family, heads)
     check_removable(model, [plan.layer for plan in plans.values() if plan.removed])
@@ -435,6 +437,7 @@ def silence_heads(model: nn.Module, heads: HeadSpec, optimizers: Iterable[torch.
         >>> torch.allclose(model(inputs).last_hidden_state, before)
         True
     """
+    model = transformers_model(model)
     family = detect_family(model)
     request = _check_request(model, family, heads)
     record = silenced_heads(model)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from attnreg import blockwise
-from attnreg.losses import HeadReduction, causal_prior, prior_kl, reachable_prior
+from attnreg.losses import HeadReduction, causal_prior, prior_kl, prior_rows, reachable_prior
 from attnreg.methods.loss_term import Heads, LossTerm
 from attnreg.records import AttentionRecord
 from attnreg.schedules import ScheduleLike
@@ -59,6 +59,11 @@ class SyntaxPriorKL(LossTerm):
     `batch[f"{prior_key}.{spec}"]` (`kind_priors` maps those keys to the priors, for `SyntaxCollator(kinds=...)`);
     the term is the mean over kinds of each kind's mean over its layers, logged per kind and layer
     (`<name>/<spec>/layer<l>`). A layer or head outside the model is refused at `bind`, naming the kind.
+
+    Each layer's KL (of each kind) is a mean over the prior rows that layer can reach; `items` counts them per layer
+    and kind, so that where an adapter counts an optimizer step's micro-batches ahead (`Runner.window`: the Hugging
+    Face `Trainer`) each is the mean over the rows of the whole global batch, however it is split over micro-batches
+    and processes; the figures logged are then each micro-batch's share of it, times the micro-batches.
 
     Until a batch brings a row the term can train on (for a decoder, one with a target at or before its word), each
     batch is checked for one (a synchronization on a GPU, none after); `quiet_batches` micro-batches without one
@@ -117,6 +122,8 @@ class SyntaxPriorKL(LossTerm):
         self.batch_keys = tuple(self.kind_priors) if self._kinds else (prior_key,)
         self.inputs = blockwise
         self._quiet = 0  # micro-batches seen without a row to train on; None once one came
+        self._windows: dict[int, int | None] = {}  # each layer's sliding window (None: none), from the config
+        self._weighed: tuple[Mapping[str, float], int] | None = None  # the step's rows per layer, micro-batches
 
     def identity(self) -> dict[str, Any]:
         return {**super().identity(), "kinds": self.kinds} if self.kinds else super().identity()
@@ -130,6 +137,14 @@ class SyntaxPriorKL(LossTerm):
         super().bind(model, taken)
         for spec, child in self._kinds.items():
             child.name = f"{self.name}/{spec}"
+        config = self.model.config.get_text_config()
+        window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+        self._windows = {  # as transformers masks them: layer_types' "sliding_attention" layers, else every layer
+            layer: window
+            if isinstance(window, int) and (types is None or types[layer] == "sliding_attention")
+            else None
+            for layer in self.layers
+        }
 
     def heads_of(self, layer: int) -> list[int] | None:
         """The heads of `layer` this term supervises, over every kind (None = all)."""
@@ -144,6 +159,44 @@ class SyntaxPriorKL(LossTerm):
         for child in self._kinds.values():
             child.unbind()
         super().unbind()
+
+    def items(self, batch: Any) -> dict[str, int] | None:
+        """The prior rows each layer's KL is a mean over in `batch` (`layer<l>`; with kinds `<spec>/layer<l>`): rows
+        with a target the layer can reach (for a decoder at or before the word, within a sliding window's keys).
+
+        Example:
+            >>> import torch
+            >>> from attnreg.tiny import tiny_model
+            >>> kl = SyntaxPriorKL(kinds={"parent": {0: [1]}, "nsubj": {0: [2], 1: [2]}})
+            >>> kl.bind(tiny_model("gpt2"))
+            >>> parents, subjects = torch.tensor([[-1, 0, 2]]), torch.tensor([[1, -1, 0]])   # decoder: 0 -> 1 out
+            >>> kl.items({"attnreg_prior.parent": parents, "attnreg_prior.dependents:nsubj": subjects})
+            {'parent/layer0': 2, 'dependents:nsubj/layer0': 1, 'dependents:nsubj/layer1': 1}
+        """
+        if self._kinds:
+            counts: dict[str, int] = {}
+            for spec, child in self._kinds.items():
+                found = child.items(batch)
+                if found is None:
+                    return None
+                counts.update({f"{spec}/{part}": count for part, count in found.items()})
+            return counts
+        if self.model is None or not isinstance(batch, dict) or self.prior_key not in batch:
+            return None
+        prior, padding = batch[self.prior_key], batch.get("attention_mask")
+        windows = list(dict.fromkeys(self._windows.values()))
+        counts = torch.stack([prior_rows(prior, padding, self.causal, window) for window in windows]).tolist()
+        found = dict(zip(windows, counts, strict=True))
+        return {f"layer{layer}": found[window] for layer, window in self._windows.items()}
+
+    def weigh(self, items: Mapping[str, float] | None, parts: int) -> None:
+        """Each layer's KL of the micro-batches to come is its share of the mean over `items[f"layer{l}"]` rows,
+        times `parts` (the step's micro-batches times processes); `None`: the mean over each micro-batch's rows."""
+        for spec, child in self._kinds.items():
+            prefix = f"{spec}/"
+            mine = None if items is None else {k[len(prefix) :]: v for k, v in items.items() if k.startswith(prefix)}
+            child.weigh(mine, parts)
+        self._weighed = None if items is None else (items, parts)
 
     def value(self, probs: AttentionRecord, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self._kinds:
@@ -166,6 +219,10 @@ class SyntaxPriorKL(LossTerm):
         for i, (layer, heads) in enumerate(active.items()):
             captured = self.captured(probs, layer)  # the prior's values are checked once per batch, with layer one
             options = dict(reduction=self.head_reduction, causal=self.causal, check_values=i == 0)
+            if self._weighed is not None:  # a share of the mean over the step's rows
+                totals, parts = self._weighed
+                total = float(totals.get(f"layer{layer}", 0.0))
+                options["rows"] = total / parts if total > 0 else 1.0
             if self.inputs:
                 values.append(blockwise.prior_kl(captured, prior, heads, **options))
             else:
