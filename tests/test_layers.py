@@ -25,6 +25,7 @@ CORE = [
     "progress.py",
     "syntax",
     "analysis",
+    "structure",
 ]
 LOWER = [*CORE, "methods"]
 
@@ -81,6 +82,20 @@ ADAPTER_FILES = [p for entry in ("integrations", "callbacks", "mixin.py") for p 
 def test_no_adapter_imports_pruning(path):
     """The model's structure reaches checkpoints through the runner's structure event, not through pruning
     (`from attnreg.methods import pruning` counts too)."""
+    pruning = "attnreg.methods.pruning"
+    found = [name for name in imported_modules(path) if name == pruning or name.startswith(pruning + ".")]
+    assert not found, f"{path.relative_to(PACKAGE)} imports {sorted(found)}"
+
+
+OUTSIDE_PRUNING = [  # the package face, methods/__init__.py, gathers every method
+    path for path in files("methods") if "pruning" not in path.relative_to(PACKAGE).parts and path.name != "__init__.py"
+]
+
+
+@pytest.mark.parametrize("path", OUTSIDE_PRUNING, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_runner_and_other_methods_import_no_pruning_method(path):
+    """What was done to the model's shape is `attnreg.structure`'s, below the methods: the runner reads it there, and
+    no method imports another sideways."""
     pruning = "attnreg.methods.pruning"
     found = [name for name in imported_modules(path) if name == pruning or name.startswith(pruning + ".")]
     assert not found, f"{path.relative_to(PACKAGE)} imports {sorted(found)}"

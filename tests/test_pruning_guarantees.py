@@ -12,7 +12,8 @@ from conftest import Classifier, fit, main_output, padded_batch
 import attnreg
 from attnreg.callbacks.pruning import HeadGating
 from attnreg.methods import L1Gates, Removal, pruning
-from attnreg.methods.pruning import load_pruned, prune_heads, pruned_heads, save_pruned, silenced_heads, surgery
+from attnreg.methods.pruning import load_pruned, prune_heads, pruned_heads, save_pruned, silenced_heads
+from attnreg.structure import surgery
 from attnreg.tiny import tiny_model
 
 HEAD_DIM = 8  # tiny_model: hidden 32, 4 heads

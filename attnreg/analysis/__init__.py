@@ -57,7 +57,7 @@ from attnreg.analysis.heads import (
 )
 from attnreg.analysis.representations import TokenSimilarity, mean_token_similarity, token_importance
 from attnreg.analysis.runner import BLOCKWISE_LENGTH, Analysis, analyze, head_statistics, parent_accuracy
-from attnreg.analysis.vocabulary import check_tokenizer
+from attnreg.syntax.vocabulary import check_tokenizer
 
 __all__ = [
     "ATTENTION_STATISTICS",

@@ -48,12 +48,12 @@ from attnreg.analysis.blocks import BLOCK_SIZE, layer_by_layer, reduce_layer
 from attnreg.analysis.dependencies import ParentAccuracy, SyntaxTargets
 from attnreg.analysis.heads import HeadRoles, HeadStatistics, RoleThresholds, TokenKinds, head_output_norms, head_roles
 from attnreg.analysis.representations import TokenSimilarity
-from attnreg.analysis.vocabulary import check_tokenizer
 from attnreg.heads import head_numbers, pruned_heads
 from attnreg.hub import AttentionHub, attach, detach, is_attached
 from attnreg.records import LayerInputs
 from attnreg.syntax.align import align_offsets
 from attnreg.syntax.trees import Sentence
+from attnreg.syntax.vocabulary import check_tokenizer
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 

@@ -153,7 +153,13 @@ def protect_supervised(callbacks: Iterable[L.Callback], model: nn.Module) -> dic
         for layer, heads in supervised.items():
             if layer in gated:
                 protect[layer] = sorted({*protect.get(layer, ()), *heads})
-        method.removal = dataclasses.replace(method.removal, protect=protect)
+        try:
+            method.removal = dataclasses.replace(method.removal, protect=protect)
+        except ValueError as error:
+            raise ValueError(
+                f"{error}: the heads the syntax prior supervises {supervised} are protected from gating "
+                "(protect_supervised: true); raise keep, or set protect_supervised=false to let gating remove them"
+            ) from error
     return supervised
 
 

@@ -33,6 +33,7 @@ from attnreg.callbacks.events import LightningEvents
 from attnreg.compat import callback_state_key
 from attnreg.methods import Method, Runner
 from attnreg.mixin import require_mixin, runner_of
+from attnreg.structure import keep_base_in_adapter_saves
 from attnreg.unwrap import find_transformers_model
 
 
@@ -125,6 +126,7 @@ class MethodCallback(LightningEvents):
         runner = runner_of(pl_module)
         runner.add(self.method)
         runner.bind(find_transformers_model(pl_module))
+        keep_base_in_adapter_saves(pl_module)  # a LoRA model's save_pretrained, where its base weights changed
         return runner
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

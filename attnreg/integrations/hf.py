@@ -62,6 +62,7 @@ from attnreg.hub import is_attached, unfolded_saves
 from attnreg.integrations.hf_events import TrainerEvents
 from attnreg.methods import Method, Runner
 from attnreg.methods.runner import STATE_FILE, all_reduce_sum
+from attnreg.structure import keep_base_in_adapter_saves
 
 __all__ = ["STATE_FILE", "AttnRegTrainer", "AttnRegTrainerMixin", "with_attnreg"]
 _KEPT_COLUMNS = ("sentence", "label", "labels", "words", "heads", "relations", "text")  # what SyntaxCollator reads
@@ -197,6 +198,7 @@ class AttnRegTrainerMixin(KeepColumns):
                 self.attnreg.load_state(folder)
                 self.attnreg.load_structure(folder)  # heads removed before the checkpoint, gates
         self.attnreg.bind(self._attnreg_model())
+        keep_base_in_adapter_saves(self._attnreg_model())  # save_model of a LoRA model whose base weights changed
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:

@@ -50,9 +50,8 @@ from torch.distributed.tensor import DTensor
 
 from attnreg.hub import attach, detach, is_attached
 from attnreg.methods.base import Loop, Method
-from attnreg.methods.pruning.checkpoints import model_structure, restore_structure
-from attnreg.methods.pruning.saving import restore_saved_pruning, write_spec
 from attnreg.records import AttentionRecord
+from attnreg.structure import model_structure, restore_saved_pruning, restore_structure, write_spec
 
 STRUCTURE_FILE = "attnreg_structure.json"
 """The model's structure in a checkpoint folder (`Runner.save_structure`)."""
@@ -96,10 +95,11 @@ class Runner:
         self.methods: list[Method] = []
         self.model: nn.Module | None = None
         self._figures: dict[str, list[float]] = {}
-        self._tokens: list[int] = []  # real tokens of each micro-batch with terms since the last optimizer step
-        self._window: dict[str, float] = {}  # items of each term over the optimizer step's micro-batches, all processes
+        self._seen: list[Any] = []  # the micro-batches with terms since the last optimizer step
+        self._window: dict[str, Any] = {}  # items of each term (per part) over the step's micro-batches, all processes
         self._parts = 1  # micro-batches x processes of that step
         self._warned_uneven = False
+        self._said_uneven = False
         _check(list(methods))
         for method in methods:
             self.add(method)
@@ -223,9 +223,7 @@ class Runner:
         figures (unscaled) are kept for `figures()`. 0 when nothing was captured."""
         if captured.probs is None:
             return 0.0
-        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if isinstance(mask, torch.Tensor):
-            self._tokens.append(int(mask.sum()))
+        self._seen.append(batch)  # counted at the optimizer step, where it matters (`_check_even`)
         total: torch.Tensor | float = 0.0
         for method in self.terms:
             result = method.term(captured.inputs if method.inputs else captured.probs, batch, step)
@@ -235,9 +233,9 @@ class Runner:
             value = full_value(value)
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
                 raise TypeError(f"the term of {method.name!r} must return a scalar tensor, got {value!r}")
-            share = 1.0
-            if self._window.get(method.name):  # this micro-batch's items against the step's mean
-                share = method.items(batch) * self._parts / self._window[method.name]
+            share, window = 1.0, self._window.get(method.name)
+            if isinstance(window, float) and window:  # this micro-batch's items against the step's mean
+                share = method.items(batch) * self._parts / window
             total = total + value * (scale * share)
             self.record({method.name: value.detach(), **{name: full_value(figure) for name, figure in figures.items()}})
         return total
@@ -247,7 +245,8 @@ class Runner:
         (`Method.items`) in all of them, summed over the processes by `all_reduce` (in place, on a float64
         tensor), so that each micro-batch's term weighs by its share of the step's items, as transformers'
         `num_items_in_batch` does for the model's loss: the weight then means the same however the global batch
-        is split over micro-batches and processes, rows of any length. `loss` applies it until the optimizer steps.
+        is split over micro-batches and processes, rows of any length. `loss` applies it until the optimizer steps; a
+        term counted per part (`{part: items}`) is handed its parts' totals (`Method.weigh`) and weighs them itself.
 
         Example:
             >>> from attnreg import methods
@@ -259,13 +258,29 @@ class Runner:
             >>> runner.window([short, long]); runner._window, runner._parts       # rows: 2 + 4, two micro-batches
             ({'entropy_regularizer': 6.0}, 2)
         """
-        counts = {method.name: [method.items(batch) for batch in batches] for method in self.terms}
-        counts = {name: float(sum(found)) for name, found in counts.items() if None not in found}
-        if all_reduce is not None and counts:
+        counts: dict[tuple[str, str | None], float] = {}  # (method, part or None): items
+        for method in self.terms:
+            found = [method.items(batch) for batch in batches]
+            if not found or any(count is None for count in found):
+                continue
+            for count in found:
+                for part, items in count.items() if isinstance(count, Mapping) else [(None, count)]:
+                    counts[method.name, part] = counts.get((method.name, part), 0.0) + float(items)
+        if all_reduce is not None and counts:  # every process holds the same terms and parts, in the same order
             summed = torch.tensor(list(counts.values()), dtype=torch.float64)
             all_reduce(summed)
             counts = dict(zip(counts, summed.tolist(), strict=True))
-        self._window, self._parts = counts, len(batches) * world_size
+        window: dict[str, Any] = {}
+        for (name, part), items in counts.items():
+            if part is None:
+                window[name] = items
+            else:
+                window.setdefault(name, {})[part] = items
+        self._window, self._parts = window, len(batches) * world_size
+        for method in self.terms:
+            parts = window.get(method.name)
+            if isinstance(parts, dict):
+                method.weigh(parts, self._parts)
 
     def record(self, figures: Mapping[str, Any]) -> None:
         """Keep figures (`attnreg/<name>`) for the next `figures()`."""
@@ -293,25 +308,45 @@ class Runner:
             method.on_before_optimizer_step(loop)
 
     def _check_even(self, loop: Loop) -> None:
-        """Warn once where the micro-batches of one optimizer step (over accumulation, and against rank 0's)
-        hold different numbers of real tokens and a term was not weighed by its share of the step's items
-        (`window`: no adapter counted them ahead, or the term is no mean over items): its weight then depends on
-        how the global batch was split (docs/guarantees.md)."""
-        tokens, self._tokens = self._tokens, []
+        """Warn once where a term that reads the batch was not weighed by its share of the step's items (`window`: no
+        adapter counted them ahead, or the term is no mean over items) and the micro-batches of the optimizer step,
+        over accumulation and processes, differ in what it averages over: its items (per part), or for a term that
+        counts none, the real tokens. Its weight then depends on how the global batch was split (docs/guarantees.md).
+        Every process learns every one's counts (`torch.distributed`); the main process says it."""
+        batches, self._seen = self._seen, []
         counted, self._window = self._window, {}
-        uncounted = [method.name for method in self.terms if method.name not in counted]
-        if not uncounted:
+        for method in self.methods:
+            if isinstance(counted.get(method.name), dict):
+                method.weigh(None, 1)  # the step is over
+        uncounted = [method for method in self.terms if method.name not in counted and method.depends_on_batch]
+        if not uncounted or self._warned_uneven or (len(batches) < 2 and loop.world_size < 2):
+            return  # the same on every process (the window's counts and the terms are), so no collective is left out
+        mine: dict[str, Any] = {"tokens": [_tokens(batch) for batch in batches]}
+        for method in uncounted:
+            found = [method.items(batch) for batch in batches]
+            mine[method.name] = None if any(count is None for count in found) else [_plain(c) for c in found]
+        every, complete = _gather(mine, loop)
+        tokens = [count for each in every for count in each["tokens"]]
+        uneven, shown = [], ""
+        for method in uncounted:
+            counts = [each.get(method.name) for each in every]
+            found = tokens if any(c is None for c in counts) else [count for c in counts for count in c]
+            if any(count != found[0] for count in found):
+                uneven.append(method.name)
+                shown += "" if found is tokens else f"; {method.name!r} averages over {found}"
+        if not uneven:
             return
-        first = loop.broadcast(tokens[:1]) if loop.world_size > 1 else tokens[:1]  # on every rank: a collective
-        uneven = len(set(tokens)) > 1 or first != tokens[:1]
-        if uneven and not self._warned_uneven:
-            self._warned_uneven = True
+        self._warned_uneven = complete  # where every process knows, none gathers again (else all keep gathering)
+        if (loop.is_main or not complete) and not self._said_uneven:
+            self._said_uneven = True
             warnings.warn(
-                f"the micro-batches of optimizer step {loop.step} hold different numbers of real tokens {tokens}: "
-                f"the terms of {uncounted} are each a mean over one micro-batch (then averaged "
-                "over the accumulation steps and processes), so their weight depends on how the global batch is "
-                "split; for weights that do not, give the micro-batches equal lengths (pack or pad to a fixed "
-                "length) or use one micro-batch per step on one process (docs/guarantees.md)",
+                f"the micro-batches of optimizer step {loop.step} (over accumulation and processes) differ in what "
+                f"the terms of {uneven} average over (real tokens per micro-batch {tokens}{shown}): each term is a "
+                "mean over one micro-batch (then averaged over the accumulation steps and processes), so its weight "
+                "depends on how the global batch is split; for weights that do not, let the adapter count the step's "
+                "items ahead (`Runner.window`, as the Hugging Face Trainer does), give the micro-batches equal "
+                "lengths and rows (pack or pad to a fixed length) or use one micro-batch per step on one process "
+                "(docs/guarantees.md)",
                 UnevenMicroBatchesWarning,
                 stacklevel=2,
             )
@@ -512,3 +547,36 @@ def full_value(value: Any) -> Any:
         (True, 2.0)
     """
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _tokens(batch: Any) -> int | None:
+    """The real tokens of a micro-batch (its attention mask's ones, else its ids), None where it tells none."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+    if isinstance(mask, torch.Tensor):
+        return int(mask.sum())
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
+
+
+def _plain(count: Any) -> Any:
+    """A count of `Method.items` as plain, comparable values (a mapping as a sorted list of pairs)."""
+    return sorted((str(part), float(items)) for part, items in count.items()) if isinstance(count, Mapping) else count
+
+
+def _gather(value: Any, loop: Loop) -> tuple[list[Any], bool]:
+    """(`value` of every process in rank order, True), by `torch.distributed`; on one process `([value], True)`.
+    Without `torch.distributed` under several processes, `([rank 0's, this one's], False)` through `loop.broadcast`.
+
+    Example:
+        >>> _gather({"tokens": [3, 5]}, Loop())
+        ([{'tokens': [3, 5]}], True)
+    """
+    if loop.world_size < 2:
+        return [value], True
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1:
+        every: list[Any] = [None] * distributed.get_world_size()
+        distributed.all_gather_object(every, value)
+        return every, True
+    return [loop.broadcast(value), value], False

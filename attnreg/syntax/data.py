@@ -42,6 +42,7 @@ from transformers import PreTrainedTokenizerBase
 from attnreg.syntax.align import Alignment, align_offsets, dropped_arcs, word_spans
 from attnreg.syntax.priors import KindCounts, SyntaxPrior, arc_counts, refusal
 from attnreg.syntax.trees import Sentence, read_arcs, read_conllu
+from attnreg.syntax.vocabulary import check_tokenizer
 
 PRIOR_KEY = "attnreg_prior"
 
@@ -160,8 +161,6 @@ def warn_unknown_words(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
         >>> print(caught[0].message)
         SyntaxCollator: the tokenizer cannot tokenize the text: 100% of the 3 words get only its unknown token ...
     """
-    from attnreg.analysis.vocabulary import check_tokenizer
-
     try:
         check_tokenizer(tokenizer, texts)
     except ValueError as error:

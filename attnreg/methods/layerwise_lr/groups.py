@@ -44,8 +44,8 @@ from torch import nn
 
 from attnreg.families import detect_family
 from attnreg.hub import is_attached
-from attnreg.methods.pruning import gate_parameters
 from attnreg.records import GATE
+from attnreg.structure import gate_parameters
 from attnreg.unwrap import find_transformers_model
 
 EMBEDDINGS = "embeddings"

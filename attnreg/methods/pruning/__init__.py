@@ -11,11 +11,10 @@ silenced in place instead (`silence_heads`): they add exactly nothing, as if the
 through training, saving and loading, and are recorded in `model.config.attnreg_silenced_heads`;
 `PruneReport.kept` says which and why. A later request that takes the rest of their group removes them.
 
-One module per concern, everything public re-exported here: `record` (what was removed or silenced,
-original head numbers, `PruneReport`), `surgery` (`prune_heads`, `silence_heads`), `optimizer_state`,
-`gates` (folding, `gate_parameters`, `HardConcreteGate`), `saving` (`save_pruned`, `load_pruned`),
-`checkpoints` (checkpoint dicts, for Lightning's hooks) and `importance` (`head_importance`,
-`select_heads`, `iterative_pruning`).
+The methods live here: `HeadGating` and its gate kinds and removal policies (`method`, `gate_kinds`), head
+importance and `ImportanceRemoval` (`importance`: `head_importance`, `select_heads`, `iterative_pruning`). What they
+do to the model's shape (`prune_heads`, `silence_heads`, folding, `save_pruned`/`load_pruned`, checkpoints) is owned
+by `attnreg.structure`, below the methods, and re-exported here under the same names.
 
 Example:
     >>> import tempfile
@@ -31,25 +30,6 @@ Example:
     {0: (1, 2, 3), 1: (0,)}
 """
 
-from attnreg.heads import (
-    PRUNED_HEADS,
-    SILENCED_HEADS,
-    HeadSpec,
-    PruneReport,
-    SlicedTensor,
-    head_numbers,
-    pruned_heads,
-    silenced_heads,
-    to_original_numbers,
-)
-from attnreg.methods.pruning.checkpoints import FOLDED_GATES, add_pruning_to_checkpoint, restore_pruning
-from attnreg.methods.pruning.gates import (
-    HardConcreteGate,
-    fold_gates,
-    gate_parameters,
-    hard_concrete,
-    make_hard_concrete,
-)
 from attnreg.methods.pruning.importance import (
     LossFunction,
     PruningStep,
@@ -58,16 +38,38 @@ from attnreg.methods.pruning.importance import (
     select_groups,
     select_heads,
 )
-from attnreg.methods.pruning.optimizer_state import drop_from_optimizer, slice_optimizer_state
-from attnreg.methods.pruning.saving import (
+from attnreg.structure import (
+    FOLDED_GATES,
+    PRUNED_HEADS,
+    SILENCE,
+    SILENCED_HEADS,
     SPEC_FILE,
+    HardConcreteGate,
+    HeadSpec,
+    PruneReport,
+    SlicedTensor,
+    add_pruning_to_checkpoint,
+    check_removable,
+    count_parameters,
+    drop_from_optimizer,
+    fold_gates,
+    gate_parameters,
+    hard_concrete,
+    head_numbers,
     load_pruned,
+    make_hard_concrete,
+    prune_heads,
+    pruned_heads,
+    restore_pruning,
     restore_saved_pruning,
     save_adapters,
     save_pruned,
+    silence_heads,
+    silenced_heads,
+    slice_optimizer_state,
+    to_original_numbers,
     write_spec,
 )
-from attnreg.methods.pruning.surgery import SILENCE, check_removable, count_parameters, prune_heads, silence_heads
 
 __all__ = [
     "FOLDED_GATES",

@@ -19,9 +19,9 @@ from attnreg.families import detect_family
 from attnreg.heads import HeadSpec, PruneReport, head_numbers, to_original_numbers
 from attnreg.hub import attach, detach
 from attnreg.methods.base import Loop, Method
-from attnreg.methods.pruning.gates import _hub_or_none
 from attnreg.methods.pruning.method import renew_parameters, sharded
-from attnreg.methods.pruning.surgery import check_removable, prune_heads
+from attnreg.structure.gates import _hub_or_none
+from attnreg.structure.surgery import check_removable, prune_heads
 
 LossFunction = Callable[[Any, Any], torch.Tensor]
 

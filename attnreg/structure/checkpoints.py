@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
-from attnreg.methods.pruning.gates import _hub_or_none, folded_gates, refold_gates
-from attnreg.methods.pruning.surgery import prune_heads, silence_heads
 from attnreg.records import GATE
+from attnreg.structure.gates import _hub_or_none, folded_gates, refold_gates
+from attnreg.structure.surgery import prune_heads, silence_heads
 
 FOLDED_GATES = "attnreg_folded_gates"
 """Lightning checkpoint entry: layers whose gates were folded into the weights (so the checkpoint has none)."""

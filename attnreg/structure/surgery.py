@@ -26,9 +26,9 @@ from attnreg.heads import (
     pruned_heads,
     silenced_heads,
 )
-from attnreg.methods.pruning.gates import _hub_or_none, _remove_gate
-from attnreg.methods.pruning.optimizer_state import _as_list, drop_from_optimizer, slice_optimizer_state
 from attnreg.records import GATE, TEMPERATURE
+from attnreg.structure.gates import _hub_or_none, _remove_gate
+from attnreg.structure.optimizer_state import _as_list, drop_from_optimizer, slice_optimizer_state
 from attnreg.unwrap import transformers_model
 
 SILENCE = "attnreg_silence"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -16,11 +19,11 @@ from torch import nn
 from attnreg import weights
 from attnreg.families import Family, detect_family
 from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
-from attnreg.hub import attach
-from attnreg.methods.pruning.checkpoints import FOLDED_GATES, restore_pruning
-from attnreg.methods.pruning.gates import _hub_or_none, _transformers_model, make_hard_concrete
-from attnreg.methods.pruning.surgery import prune_heads, silence_heads
+from attnreg.hub import attach, detach, is_attached
 from attnreg.records import GATE, TEMPERATURE
+from attnreg.structure.checkpoints import FOLDED_GATES, restore_pruning
+from attnreg.structure.gates import _hub_or_none, _transformers_model, folded_gates, make_hard_concrete
+from attnreg.structure.surgery import prune_heads, silence_heads
 
 SPEC_FILE = "attnreg_pruning.json"
 _SAVE_PARAMETERS = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
@@ -113,6 +116,79 @@ def save_adapters(model: nn.Module, directory: str | Path) -> list[Path]:
     return written
 
 
+def base_changed(model: nn.Module) -> bool:
+    """Whether the weights under a PEFT adapter are no longer the base model's: heads removed or silenced, gates
+    folded into them, or hub gates and temperatures (which an adapter's files do not hold).
+
+    Example:
+        >>> from attnreg.methods.pruning import silence_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("llama"); base_changed(model)
+        False
+        >>> silence_heads(model, {0: [1]}); base_changed(model)
+        True
+    """
+    inner = _transformers_model(model)
+    return bool(pruned_heads(inner) or any(silenced_heads(inner).values()) or folded_gates(inner) or _live(inner))
+
+
+def _live(model: nn.Module) -> bool:
+    """Whether the model's hub holds gates or temperatures (not folded into the weights)."""
+    hub = _hub_or_none(model)
+    return hub is not None and bool(hub.gates or any(hub.temperature(i) is not None for i in range(hub.num_layers)))
+
+
+def keep_base_in_adapter_saves(root: nn.Module) -> list[nn.Module]:
+    """Make `save_pretrained` of every `PeftModel` in `root` (itself included) write, where its base weights changed
+    (`base_changed`), those weights beside the adapter (`save_pruned`'s files) and point `adapter_config.json` at
+    the folder: PEFT's save alone writes the adapter, which on the original base is another model. The folder then
+    reloads alone: `peft.AutoPeftModelFor...from_pretrained(folder)` where no head was removed, else
+    `PeftModel.from_pretrained(load_pruned(folder), folder)` (plain `from_pretrained` of such a base refuses,
+    naming `load_pruned`). `Trainer.save_model` and `SFTTrainer.save_model` go through it. Returns the models.
+
+    Example:
+        >>> import tempfile
+        >>> import peft
+        >>> from attnreg.methods.pruning import prune_heads
+        >>> from attnreg.tiny import tiny_model
+        >>> config = peft.LoraConfig(r=2, target_modules=["q_proj"])
+        >>> model = peft.get_peft_model(tiny_model("llama", head="causal_lm"), config)
+        >>> _ = keep_base_in_adapter_saves(model); _ = prune_heads(model, {0: [0, 1]})
+        >>> folder = tempfile.mkdtemp(); model.save_pretrained(folder)
+        >>> ids = torch.tensor([[3, 4, 5]])
+        >>> same = peft.PeftModel.from_pretrained(load_pruned(folder), folder)
+        >>> torch.allclose(same(ids).logits, model.eval()(ids).logits, atol=1e-6)
+        True
+    """
+    peft = sys.modules.get("peft")  # no PEFT model exists where peft was never imported (it is an extra)
+    if peft is None:
+        return []
+    found = [module for module in root.modules() if isinstance(module, peft.PeftModel)]
+    for model in found:
+        if "save_pretrained" not in vars(model):
+            object.__setattr__(model, "save_pretrained", types.MethodType(_save_adapter_and_base, model))
+    return found
+
+
+def _save_adapter_and_base(model: nn.Module, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
+    inner = _transformers_model(model)
+    if is_attached(inner) and "save_pretrained" not in vars(inner):  # a training checkpoint (`unfolded_saves`):
+        return type(model).save_pretrained(model, save_directory, *args, **kwargs)  # its structure record goes along
+    changed = base_changed(model)
+    if _live(inner) and kwargs.get("state_dict") is None:  # folded into a copy, as an attached model's save does
+        model = copy.deepcopy(model)
+        detach(model)
+    type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    if not kwargs.get("is_main_process", True) or not changed:
+        return
+    directory = Path(save_directory)
+    save_pruned(model, directory)  # the base as trained (without the adapters), its record, the adapters again
+    for config in directory.rglob("adapter_config.json"):
+        settings = json.loads(config.read_text())
+        settings["base_model_name_or_path"] = str(directory.resolve())
+        config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
 def write_spec(model: transformers.PreTrainedModel, directory: str | Path) -> Path:
     """Write `attnreg_pruning.json` for the weights saved in `directory` (what `save_pruned` adds to
     `save_pretrained`): the pruned and silenced heads, the heads per layer, and each hard-concrete gate's
@@ -171,11 +247,7 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
     """
     directory = Path(directory)
     spec_path = directory / SPEC_FILE
-    if not spec_path.is_file():
-        raise FileNotFoundError(
-            f"{spec_path} is missing: was {directory} written by attnreg.methods.pruning.save_pruned?"
-        )
-    spec = json.loads(spec_path.read_text())
+    spec = json.loads(spec_path.read_text()) if spec_path.is_file() else _spec_from_config(directory)
     if spec.get("format") != _SPEC_FORMAT:
         raise ValueError(f"{spec_path}: unknown format {spec.get('format')!r} (this attnreg reads {_SPEC_FORMAT})")
     model_class = getattr(transformers, spec["class"], None)
@@ -195,7 +267,7 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
     prune_heads(model, {int(layer): heads for layer, heads in spec["pruned_heads"].items()})
     silence_heads(model, {int(layer): heads for layer, heads in spec.get("silenced_heads", {}).items()})
     layout = [list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))]
-    if layout != spec["heads"]:
+    if spec["heads"] is not None and layout != spec["heads"]:
         raise ValueError(
             f"{spec_path}: re-applying the spec gives heads {layout} per layer, the spec says {spec['heads']}"
         )
@@ -206,6 +278,25 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
             make_hard_concrete(hub, int(layer), temperature=settings["temperature"], stretch=settings["stretch"])
     _load_checked(model, family, weights, directory)
     return model.eval()
+
+
+def _spec_from_config(directory: Path) -> dict[str, Any]:
+    """The spec of a folder that a plain `save_pretrained` wrote from a pruned or silenced model: its config.json
+    holds the record (`attnreg_pruned_heads`, `attnreg_silenced_heads`) and the class; no hard-concrete gate."""
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if not (config.get(PRUNED_HEADS) or config.get(SILENCED_HEADS)) or not config.get("architectures"):
+        raise FileNotFoundError(
+            f"{directory / SPEC_FILE} is missing, and {config_path} records no heads removed or silenced: was "
+            f"{directory} written by attnreg.methods.pruning.save_pruned (or save_pretrained of a pruned model)?"
+        )
+    return {
+        "format": _SPEC_FORMAT,
+        "class": config["architectures"][0],
+        "pruned_heads": config.get(PRUNED_HEADS) or {},
+        "silenced_heads": config.get(SILENCED_HEADS) or {},
+        "heads": None,  # nothing to check the re-applied record against but the weights themselves
+    }
 
 
 def restore_saved_pruning(model: nn.Module, directory: str | Path) -> PruneReport | None:

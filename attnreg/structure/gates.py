@@ -11,8 +11,8 @@ from torch import nn
 from attnreg import weights
 from attnreg.families import detect_family
 from attnreg.hub import AttentionHub, gate_values, hub_of
-from attnreg.methods.pruning.optimizer_state import _as_list, drop_from_optimizer
 from attnreg.records import GATE
+from attnreg.structure.optimizer_state import _as_list, drop_from_optimizer
 
 FOLDED = "_attnreg_folded_gates"  # on the transformers model: {layer: gate values folded into its output projection}
 

@@ -1,0 +1,99 @@
+"""What was done to a model's shape, below the methods: heads removed or silenced, gates and temperatures folded,
+LoRA factors and optimizer state sliced along, and the one pair that writes this record beside any weights and
+restores it before they load.
+
+The record itself lives in the model's config (`attnreg.heads`: `pruned_heads`, `silenced_heads`, original head
+numbers); one module per concern here: `surgery` (`prune_heads`, `silence_heads`), `gates` (folding, the gates'
+parameters, `HardConcreteGate`), `optimizer_state`, `checkpoints` (the structure a training checkpoint carries,
+`model_structure`/`restore_structure`) and `saving` (`save_pruned`/`load_pruned`, and saves of a PEFT model whose
+base weights changed). The methods (`attnreg.methods.pruning`: gating, importance, removal policies), the runner,
+both adapters, `attnreg-analyze`, the head view and the app all go through these.
+
+Example:
+    >>> import tempfile
+    >>> from attnreg.tiny import tiny_model
+    >>> model = tiny_model("llama", head="causal_lm")           # 4 query heads, 2 key/value groups a layer
+    >>> report = prune_heads(model, {0: [0, 1, 2]})               # group 0 goes; head 2 is silenced in place
+    >>> report.removed, report.kept
+    ({0: (0, 1)}, {0: (2,)})
+    >>> same = load_pruned(save_pruned(model, tempfile.mkdtemp()))
+    >>> pruned_heads(same), silenced_heads(same)
+    ({0: (0, 1)}, {0: (2,)})
+"""
+
+from attnreg.heads import (
+    PRUNED_HEADS,
+    SILENCED_HEADS,
+    HeadSpec,
+    PruneReport,
+    SlicedTensor,
+    head_numbers,
+    pruned_heads,
+    silenced_heads,
+    to_original_numbers,
+)
+from attnreg.structure.checkpoints import (
+    FOLDED_GATES,
+    add_pruning_to_checkpoint,
+    model_structure,
+    restore_pruning,
+    restore_structure,
+)
+from attnreg.structure.gates import (
+    HardConcreteGate,
+    fold_gates,
+    folded_gates,
+    gate_parameters,
+    hard_concrete,
+    make_hard_concrete,
+)
+from attnreg.structure.optimizer_state import drop_from_optimizer, slice_optimizer_state
+from attnreg.structure.saving import (
+    SPEC_FILE,
+    base_changed,
+    keep_base_in_adapter_saves,
+    load_pruned,
+    restore_saved_pruning,
+    save_adapters,
+    save_pruned,
+    write_spec,
+)
+from attnreg.structure.surgery import SILENCE, check_removable, count_parameters, prune_heads, silence_heads
+
+__all__ = [
+    "FOLDED_GATES",
+    "PRUNED_HEADS",
+    "SILENCE",
+    "SILENCED_HEADS",
+    "SPEC_FILE",
+    "HardConcreteGate",
+    "HeadSpec",
+    "PruneReport",
+    "SlicedTensor",
+    "add_pruning_to_checkpoint",
+    "base_changed",
+    "check_removable",
+    "count_parameters",
+    "drop_from_optimizer",
+    "fold_gates",
+    "folded_gates",
+    "gate_parameters",
+    "hard_concrete",
+    "head_numbers",
+    "keep_base_in_adapter_saves",
+    "load_pruned",
+    "make_hard_concrete",
+    "model_structure",
+    "prune_heads",
+    "pruned_heads",
+    "restore_pruning",
+    "restore_saved_pruning",
+    "restore_structure",
+    "save_adapters",
+    "save_pruned",
+    "silence_heads",
+    "silenced_heads",
+    "slice_optimizer_state",
+    "to_original_numbers",
+    "write_spec",
+]
