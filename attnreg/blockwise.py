@@ -215,6 +215,7 @@ def prior_kl(
     causal: bool = False,
     block_size: int = BLOCK_SIZE,
     check_values: bool = True,
+    rows: float | None = None,
 ) -> torch.Tensor:
     """`attnreg.losses.prior_kl` (same arguments and checks) of the layer `inputs` describe; prior rows outside the
     keys the layer's own mask admits (a sliding window) are left out, as `prior_kl(..., layer_mask=)` leaves them.
@@ -247,7 +248,7 @@ def prior_kl(
         softcap=inputs.softcap,
         sinks=inputs.sinks,
     )
-    return kl_from_cross_entropy(cross_entropy, prior)
+    return kl_from_cross_entropy(cross_entropy, prior, rows)
 
 
 class _Block(NamedTuple):

@@ -58,6 +58,16 @@ def forward_pre_hooks_with_kwargs(module: nn.Module) -> dict:
     return module._forward_pre_hooks_with_kwargs
 
 
+def forward_hooks(module: nn.Module) -> dict:
+    """The module's forward hooks by handle id (`nn.Module._forward_hooks`), to remove attnreg's own by identity."""
+    return module._forward_hooks
+
+
+def forward_hooks_with_kwargs(module: nn.Module) -> dict:
+    """Which forward hooks take keyword arguments (`nn.Module._forward_hooks_with_kwargs`)."""
+    return module._forward_hooks_with_kwargs
+
+
 def load_state_dict_pre_hooks(module: nn.Module) -> dict:
     """The module's state-dict load pre-hooks (`nn.Module._load_state_dict_pre_hooks`)."""
     return module._load_state_dict_pre_hooks
@@ -95,6 +105,16 @@ def callback_state_key(callback: Any, **identity: Any) -> str:
     """A Lightning callback's checkpoint key from the settings that tell two instances apart
     (`Callback._generate_state_key`, which Lightning's docs point to for `state_key`)."""
     return callback._generate_state_key(**identity)
+
+
+def load_pending_loader_states(trainer: Any) -> None:
+    """Hand a resumed fit's training loaders the states its checkpoint saved for them (a loader with `state_dict` and
+    `load_state_dict`), where Lightning has not yet: its fit loop loads them only when it sets up the training data
+    after the restore, and `trainer.estimated_stepping_batches` (read in `configure_optimizers`, before the restore)
+    sets the data up first, so they are never loaded (Lightning issue #20550). Calls
+    `_FitLoop._load_combined_loader_states`, a no-op unless the fit is restarting with states not loaded yet; for a
+    loader that reads its state when its first batch is drawn, so from `on_train_start`."""
+    trainer.fit_loop._load_combined_loader_states()
 
 
 class KeepColumns:
@@ -190,6 +210,8 @@ PRIVATE_NAMES = {
     "torch.nn.Module": [
         "_forward_pre_hooks",
         "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
         "_load_state_dict_pre_hooks",
         "_parameters",
         "_buffers",
@@ -201,6 +223,10 @@ PRIVATE_NAMES = {
         "Trainer._signature_columns",
     ],
     "accelerate": ["Accelerator._models"],
-    "lightning": ["LightningModule._trainer", "Callback._generate_state_key"],
+    "lightning": [
+        "LightningModule._trainer",
+        "Callback._generate_state_key",
+        "lightning.pytorch.loops.fit_loop._FitLoop._load_combined_loader_states",
+    ],
 }
 """The private names above, by library (what `tests/test_compat.py` checks)."""

@@ -1,7 +1,8 @@
 """Attention as attnreg computes it: `attention_forward`, the function the hub registers with transformers (a
 layer nobody asked about runs on transformers' SDPA function unchanged; a captured layer, a temperature, Gemma 2's
 softcap or gpt-oss's sinks run eager attention), and the eager maths it uses (`attention_probabilities`,
-`attention_scores`, `causal_mask`), which the blockwise losses and the analysis take as their reference.
+`attention_scores`, `causal_mask`), which the blockwise losses and the analysis take as their reference; and
+`Packing`/`find_packing`, which keep documents packed in one row (padding-free batches) apart on every layer.
 
 Example:
     >>> import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from attnreg.keywords import IGNORED_KWARGS, check_kwargs
+from attnreg.keywords import IGNORED_KWARGS, PACKING_KWARG, check_kwargs
 from attnreg.records import STATE_ATTR, TEMPERATURE, LayerInputs, LayerState
 
 
@@ -52,6 +53,7 @@ def attention_forward(
         NotImplementedError: attnreg's attention function received keyword argument(s) ['alibi'] from \
 BertSelfAttention (model_type='bert'), which it does not implement: ...
     """
+    packing: Packing | None = kwargs.pop(PACKING_KWARG, None)  # several documents per row: kept apart below
     softcap = kwargs.pop("softcap", None)  # Gemma 2's tanh cap of the logits: implemented on every path
     sinks = kwargs.pop("s_aux", None)  # gpt-oss's learned sink logit per head: implemented on every path
     if kwargs.keys() - IGNORED_KWARGS:
@@ -81,6 +83,10 @@ BertSelfAttention (model_type='bert'), which it does not implement: ...
             **capped,
             **kwargs,
         )
+    if packing is not None:  # every path below (SDPA, capture, blockwise inputs) reads the block-diagonal mask
+        causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+        attention_mask = packing.mask(attention_mask, query.shape[2], key.shape[2], causal, query.device)
+        packing.seen.add(state.index)
     if module.training and state.dropout is not None:
         dropout = state.dropout
     if scaling is None:
@@ -208,3 +214,113 @@ def causal_mask(queries: int, keys: int, device: torch.device | None = None) -> 
                 [1, 1, 1]], dtype=torch.int32)
     """
     return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+class Packing:
+    """Several documents packed in the rows of one forward (padding-free batches: TRL's `padding_free=True`,
+    transformers' `DataCollatorWithFlattening`), as `find_packing` reads them off `position_ids`. `segments` `[B or
+    1, T]` numbers each token's document; `mask` keeps every layer's queries to keys of their own document, so the
+    attention (and every term on it) equals that of the documents run separately. `seen`: the layers it reached.
+
+    Example:
+        >>> packing = Packing(torch.tensor([[0, 0, 1, 1]]))
+        >>> packing.mask(None, 4, 4, causal=True, device=None)[0, 0].int()
+        tensor([[1, 0, 0, 0],
+                [1, 1, 0, 0],
+                [0, 0, 1, 0],
+                [0, 0, 1, 1]], dtype=torch.int32)
+        >>> packing.restart()                                          # (row, position) of the first restart
+        (0, 2)
+    """
+
+    def __init__(self, segments: torch.Tensor, implementation: str | None = None) -> None:
+        self.segments, self.implementation = segments, implementation
+        self.seen: set[int] = set()
+        self._blocks: dict[tuple[bool, torch.device | None], torch.Tensor] = {}
+        self._last: tuple[torch.Tensor | None, bool, torch.Tensor] | None = None
+
+    def mask(
+        self,
+        attention_mask: torch.Tensor | None,
+        queries: int,
+        keys: int,
+        causal: bool,
+        device: torch.device | None,
+    ) -> torch.Tensor:
+        """The layer's SDPA mask `attention_mask` (boolean, additive float or None) restricted to each query's own
+        document (and causal for `causal` layers): boolean `[B, 1, T, T]` for a boolean or absent mask. Built once
+        per forward and reused by every layer that receives the same mask."""
+        tokens = self.segments.shape[-1]
+        if queries != tokens or keys != tokens:
+            raise NotImplementedError(
+                self.message(
+                    f"a layer received {queries} queries and {keys} keys for rows of {tokens} tokens (a cache holding "
+                    "earlier tokens?), so attnreg cannot tell which document each key belongs to."
+                )
+            )
+        last = self._last
+        if last is not None and last[0] is attention_mask and last[1] == causal and last[2].device == device:
+            return last[2]
+        block = self._blocks.get((causal, device))
+        if block is None:
+            segments = self.segments.to(device)
+            block = segments[:, None, :, None] == segments[:, None, None, :]
+            if causal:
+                block = block & causal_mask(tokens, tokens, device)
+            self._blocks[causal, device] = block
+        if attention_mask is None:
+            merged = block
+        elif attention_mask.dtype == torch.bool:
+            merged = attention_mask[..., :keys] & block
+        else:
+            merged = attention_mask[..., :keys].masked_fill(~block, torch.finfo(attention_mask.dtype).min)
+        self._last = (attention_mask, causal, merged)
+        return merged
+
+    def restart(self) -> tuple[int, int]:
+        """(row, position) of the first token that starts a document after a row's first (for messages)."""
+        row, position = (self.segments.diff(dim=-1) != 0).nonzero()[0].tolist()
+        return row, position + 1
+
+    def message(self, problem: str) -> str:
+        """A refusal naming where position_ids restart, the attention implementation, `problem` and the fixes."""
+        row, position = self.restart()
+        return (
+            f"position_ids restart at row {row}, position {position} without a 4-D attention mask: several documents "
+            "are packed in one row (padding-free batches: TRL padding_free=True, DataCollatorWithFlattening). attnreg "
+            "keeps such documents apart with a block-diagonal mask on every layer, but here it cannot: "
+            f"{problem} Attention implementation: 'attnreg' (the model's own before attnreg.attach: "
+            f"{self.implementation!r}); eager and SDPA would let each document attend to the ones before it, and "
+            "attention terms would supervise that. Pad instead (TRL padding_free=False, DataCollatorWithPadding or "
+            "DataCollatorForLanguageModeling), or train without attnreg on a flash-attention model on a GPU, whose "
+            "varlen kernel reads position_ids."
+        )
+
+
+def find_packing(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, implementation: str | None = None
+) -> Packing | None:
+    """A `Packing` where `position_ids` `[B or 1, T]` restart inside a row (a token whose position is not its
+    predecessor's plus one starts a new document), else None. Only with a 2-D `attention_mask` `[B, S]` or none (a
+    4-D mask says itself what each query sees), and only restarts at real tokens after a row's first: left or right
+    padding (positions of pads filled with 1, as `generate` fills them) is no packing. Reads one value back from the
+    device (once per forward, where `position_ids` are passed with more than one token).
+
+    Example:
+        >>> find_packing(torch.tensor([[0, 1, 2, 0, 1]])).segments               # two documents
+        tensor([[0, 0, 0, 1, 1]])
+        >>> find_packing(torch.tensor([[1, 1, 0, 1, 2]]), torch.tensor([[0, 0, 1, 1, 1]])) is None  # left padding
+        True
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return None
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        return None
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if attention_mask is not None:
+        kept = attention_mask[:, -position_ids.shape[-1] :].to(device=starts.device, dtype=torch.bool)
+        starts = starts & kept[:, 1:] & (kept[:, :-1].cumsum(-1) > 0)
+    if not bool(starts.any()):
+        return None
+    segments = F.pad(starts.long(), (1, 0)).cumsum(-1)
+    return Packing(segments, implementation)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -33,10 +34,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from attnreg import compat
-from attnreg.eager import attention_forward, attention_probabilities
+from attnreg.eager import attention_forward, attention_probabilities, find_packing
 from attnreg.families import Family, UnsupportedModelError, detect_family
 from attnreg.folding import check_foldable, fold_temperature
-from attnreg.keywords import HEAD_MASK_MESSAGE
+from attnreg.keywords import HEAD_MASK_MESSAGE, PACKING_KWARG
 from attnreg.records import GATE, STATE_ATTR, TEMPERATURE, AttentionRecord, LayerInfo, LayerInputs, LayerState
 from attnreg.unwrap import transformers_model
 from attnreg.weights import scale_input_columns
@@ -316,11 +317,38 @@ def _check_implementation(model: nn.Module) -> None:
         )
 
 
-def _model_forward_guard(model: nn.Module, args: tuple, kwargs: dict) -> None:
+def _model_forward_guard(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     if kwargs.get("head_mask") is not None:
         raise ValueError(HEAD_MASK_MESSAGE)
     _check_implementation(model)
-    _follow_projections(getattr(model, _HUB_ATTR))
+    hub: AttentionHub = getattr(model, _HUB_ATTR)
+    _follow_projections(hub)
+    position_ids, attention_mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if position_ids is None and len(args) > 2:  # passed by position: read them by the forward's signature
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+        position_ids, attention_mask = bound.get("position_ids"), bound.get("attention_mask")
+    if position_ids is None or kwargs.get(PACKING_KWARG) is not None:
+        return None  # no position_ids: nothing more to do, nothing read back from the device
+    packing = find_packing(position_ids, attention_mask, hub.previous_implementation)
+    if packing is None:
+        return None
+    return args, {**kwargs, PACKING_KWARG: packing}
+
+
+def _model_forward_check(model: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    """After a forward of packed documents (`eager.Packing`): refuse it where a layer never received the packing,
+    so its documents were not kept apart (a family whose forward drops keyword arguments)."""
+    packing = kwargs.get(PACKING_KWARG)
+    if packing is None:
+        return
+    missing = sorted(set(range(getattr(model, _HUB_ATTR).num_layers)) - packing.seen)
+    if missing:
+        raise NotImplementedError(
+            packing.message(
+                f"the attention function of layers {missing} of {type(model).__name__} never received attnreg's "
+                f"{PACKING_KWARG!r} keyword (the model does not pass its forward's keyword arguments to them)."
+            )
+        )
 
 
 def _follow_projections(hub: AttentionHub) -> None:
@@ -404,6 +432,7 @@ def attach(model: nn.Module) -> AttentionHub:
     # A plain attribute, not a submodule: it is not in the state_dict and follows copy.deepcopy.
     object.__setattr__(model, _HUB_ATTR, hub)
     model.register_forward_pre_hook(_model_forward_guard, with_kwargs=True)
+    model.register_forward_hook(_model_forward_check, with_kwargs=True)
     model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     object.__setattr__(model, _SAVE_ATTR, functools.partial(_save_pretrained_folded, model))
     return hub
@@ -460,7 +489,8 @@ def detach(model: nn.Module) -> None:
     hub = hub_of(model)
     model, family = hub.model, hub.family
     _follow_projections(hub)
-    check_foldable(model, family)  # a temperature or an adapter that cannot take a fold: refused before any change
+    if hub.gates or any(hub.temperature(layer) is not None for layer in range(hub.num_layers)):
+        check_foldable(model, family)  # a temperature or an adapter that cannot take a fold: refused before any change
     for layer in range(hub.num_layers):
         hub.remove_gate(layer)
         projection = family.out_projection(model, layer)
@@ -475,6 +505,11 @@ def detach(model: nn.Module) -> None:
         compat.forward_pre_hooks(model),
         lambda hook: hook is _model_forward_guard,
         compat.forward_pre_hooks_with_kwargs(model),
+    )
+    _remove_hooks(
+        compat.forward_hooks(model),
+        lambda hook: hook is _model_forward_check,
+        compat.forward_hooks_with_kwargs(model),
     )
     _remove_hooks(compat.load_state_dict_pre_hooks(model), lambda hook: hook.hook is _load_state_dict_pre_hook)
     object.__delattr__(model, _HUB_ATTR)

@@ -18,10 +18,13 @@ from __future__ import annotations
 from torch import nn
 
 OWN_BATCH_KEYS = "attnreg_"  # attnreg's own batch entries (a syntax prior) that a model's **kwargs pass along
+PACKING_KWARG = "attnreg_packing"  # the hub's `eager.Packing` of a forward whose rows hold several documents
 IGNORED_KWARGS = frozenset(
     {
         # Read by the layer or the model, or meaningless for the attention function itself:
-        "position_ids",  # positions are already in q and k (RoPE); packed sequences are in the mask
+        # Positions are already in q and k (RoPE). Packed documents (position_ids restarting at 0 within a row) are
+        # read once per forward by the hub's model hook, which hands every layer PACKING_KWARG.
+        "position_ids",
         "use_cache",
         "cache_position",
         "output_attentions",
@@ -35,7 +38,8 @@ IGNORED_KWARGS = frozenset(
         "seq_idx",
         # The 4-D mask the layer receives already admits only the window (SDPA ignores the keyword too).
         "sliding_window",
-        # Flash-attention varlen metadata: SDPA ignores it, the mask carries packed sequences.
+        # Flash-attention varlen metadata: SDPA ignores it; the documents it delimits are kept apart from the
+        # position_ids that come with it (PACKING_KWARG).
         "cu_seq_lens_q",
         "cu_seq_lens_k",
         "max_length_q",
