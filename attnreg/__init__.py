@@ -19,13 +19,14 @@ Example:
 
 import importlib
 import sys
-import warnings
 
-from attnreg import analysis, methods, schedules, syntax
+from attnreg import analysis, deprecations, methods, schedules, syntax
 from attnreg.families import FAMILIES, Family, UnsupportedModelError, detect_family
 from attnreg.hub import AttentionHub, attach, detach, hub_of
 from attnreg.methods.layerwise_lr import layerwise_param_groups
 from attnreg.records import AttentionRecord, LayerInfo
+
+__version__ = "0.2.0"  # pyproject.toml's version (tests/test_deprecations.py checks that they agree)
 
 _CALLBACKS = """AttentionDropoutSchedule AttentionLoss AttentionMonitor Distillation EntropyRegularizer FreezeLayers
 HeadGating HeadImportance ImportanceRemoval LayerwiseLR MethodCallback SyntaxPriorKL"""
@@ -84,15 +85,11 @@ __all__ = [
     "syntax",
 ]
 
-MOVED = {
-    "pruning": "attnreg.methods.pruning",
-    "optim": "attnreg.methods.layerwise_lr",
-    "distill": "attnreg.methods.distillation",
-    "configs": "attnreg.app.configs",
-}
-"""Modules that moved: `attnreg.<old>` still works for one release in every form (`import attnreg.pruning`,
-`from attnreg.pruning import save_pruned`, the attribute, Hydra's `pkg://attnreg.configs`), with a FutureWarning
-(shown by Python's default filters) naming the new place: each old name is a module of two lines calling `moved`."""
+MOVED = deprecations.renamed("module", "attnreg.", whole_new=True)
+"""Modules that moved (`attnreg.deprecations`): `attnreg.<old>` still works until the release that removes it, in
+every form (`import attnreg.pruning`, `from attnreg.pruning import save_pruned`, the attribute, Hydra's
+`pkg://attnreg.configs`), with a FutureWarning (shown by Python's default filters) naming the new place and that
+release: each old name is a module of two lines calling `moved`."""
 
 
 def moved(old: str) -> None:
@@ -105,13 +102,37 @@ def moved(old: str) -> None:
         ...     warnings.simplefilter("always")
         ...     from attnreg.optim import layerwise_param_groups     # runs attnreg/optim.py: moved(__name__)
         >>> print(caught[0].category.__name__, caught[0].message)
-        FutureWarning attnreg.optim is deprecated: use attnreg.methods.layerwise_lr (the same module)
+        FutureWarning attnreg.optim is deprecated: use attnreg.methods.layerwise_lr (the same module); it will be
+        removed in 0.3.0
         >>> sys.modules["attnreg.optim"] is attnreg.methods.layerwise_lr
         True
     """
     new = MOVED[old.removeprefix("attnreg.")]
-    warnings.warn(f"{old} is deprecated: use {new} (the same module)", FutureWarning, stacklevel=3)
+    deprecations.warn(old, stacklevel=3)
     sys.modules[old] = importlib.import_module(new)
+
+
+REMOVED = {
+    "AttentionEntropy": "attnreg.EntropyRegularizer (the same callback, renamed in 0.1)",
+    "AttentionPriorKL": "attnreg.SyntaxPriorKL (the same callback, renamed in 0.1)",
+    "Distiller": "attnreg.Distillation(teacher) beside the model module (labels=False trains on the terms alone)",
+}
+"""Names that are gone, and what to write instead: `attnreg.<name>` and `from attnreg import <name>` say so."""
+
+
+class RemovedNameError(ImportError):
+    """A name attnreg no longer has (`REMOVED`); the message says what replaces it. An ImportError, so that
+    `from attnreg import <name>` shows the message (Python replaces an AttributeError's with its own)."""
+
+
+def removed_name(module: str, name: str) -> RemovedNameError:
+    """The error for `module.name`, a name in `REMOVED`.
+
+    Example:
+        >>> print(removed_name("attnreg", "AttentionEntropy"))
+        attnreg.AttentionEntropy was removed: use attnreg.EntropyRegularizer (the same callback, renamed in 0.1)
+    """
+    return RemovedNameError(f"{module}.{name} was removed: use {REMOVED[name]}", name=name)
 
 
 def __getattr__(name: str):
@@ -123,8 +144,10 @@ def __getattr__(name: str):
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     pruning = attnreg.pruning
-        >>> pruning is attnreg.methods.pruning, str(caught[0].message)
-        (True, 'attnreg.pruning is deprecated: use attnreg.methods.pruning (the same module)')
+        >>> pruning is attnreg.methods.pruning
+        True
+        >>> print(caught[0].message)
+        attnreg.pruning is deprecated: use attnreg.methods.pruning (the same module); it will be removed in 0.3.0
     """
     if name in LIGHTNING:
         return lightning_name(name)
@@ -132,4 +155,6 @@ def __getattr__(name: str):
         return methods.loss_term.renamed_term(f"attnreg.{name}")
     if name in MOVED:
         return importlib.import_module(f"attnreg.{name}")  # the module `attnreg/<name>.py` warns and redirects
+    if name in REMOVED:
+        raise removed_name("attnreg", name)
     raise AttributeError(f"module 'attnreg' has no attribute {name!r}")

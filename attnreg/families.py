@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -211,7 +212,7 @@ class Family:
         return float(value.p if isinstance(value, nn.Dropout) else value)
 
 
-_BERT_LIKE = dict(
+_BERT_LIKE: dict[str, Any] = dict(
     blocks_path="encoder.layer",
     attention="attention.self",
     out_proj="attention.output.dense",
@@ -224,7 +225,7 @@ _BERT_LIKE = dict(
     head_count_attrs=("num_attention_heads",),
     width_attrs=("all_head_size",),
 )
-_LLAMA_LIKE = dict(
+_LLAMA_LIKE: dict[str, Any] = dict(
     blocks_path="layers",
     attention="self_attn",
     out_proj="self_attn.o_proj",

@@ -1,4 +1,4 @@
-"""Moved to `attnreg.methods.layerwise_lr`: the old name works for one release, with a FutureWarning."""
+"""Moved to `attnreg.methods.layerwise_lr`: the old name warns (FutureWarning) until 0.3.0 removes it."""
 
 from attnreg import moved
 

@@ -69,7 +69,7 @@ def tiny_config(
         >>> tiny_config("bert", num_labels=3).num_labels
         3
     """
-    bert_like = dict(
+    bert_like: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -79,7 +79,7 @@ def tiny_config(
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    llama_like = dict(
+    llama_like: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=layers,

@@ -24,8 +24,9 @@ def transformers_model(model: nn.Module) -> nn.Module:
         >>> transformers_model(model) is model
         True
     """
-    if not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
-        return model.get_base_model()
+    get_base_model = getattr(model, "get_base_model", None)
+    if not isinstance(model, PreTrainedModel) and callable(get_base_model):
+        return get_base_model()
     return model
 
 

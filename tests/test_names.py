@@ -47,7 +47,10 @@ def test_a_method_has_one_name_in_class_callback_config_and_logs(method):
 def test_an_old_method_name_warns_and_is_the_new_class(old):
     shown = shown_to_a_user(lambda: getattr(methods, old))  # under Python's default filters, from a user's module
     new = methods.RENAMED[old]
-    assert shown == [f"FutureWarning: attnreg.methods.{old} is deprecated: use attnreg.methods.{new} (the same method)"]
+    assert shown == [
+        f"FutureWarning: attnreg.methods.{old} is deprecated: use attnreg.methods.{new} (the same method); it will be "
+        "removed in 0.3.0"
+    ]
     with pytest.warns(
         FutureWarning, match=f"attnreg.methods.{old} is deprecated: use attnreg.methods.{methods.RENAMED[old]}"
     ):
@@ -94,7 +97,8 @@ def test_a_moved_module_works_in_every_form_with_a_warning_a_user_sees(old, form
     forget(old)
     try:
         assert shown_to_a_user(lambda: FORMS[form](old)) == [
-            f"FutureWarning: attnreg.{old} is deprecated: use {attnreg.MOVED[old]} (the same module)"
+            f"FutureWarning: attnreg.{old} is deprecated: use {attnreg.MOVED[old]} (the same module); it will be "
+            "removed in 0.3.0"
         ]
         new = importlib.import_module(attnreg.MOVED[old])
         assert sys.modules[f"attnreg.{old}"] is new and getattr(attnreg, old) is new  # the same module, not a copy
@@ -139,5 +143,6 @@ def test_an_old_config_name_composes_the_new_one_and_warns(old):
     assert before.attnreg == after.attnreg and before.get("module") == after.get("module")
     shown = shown_to_a_user(lambda: warn_renamed({"attnreg": f"[{old}, head_gating]"}))
     assert shown == [
-        f"FutureWarning: attnreg={old} is deprecated: use attnreg={new} (the same config under the method's name)"
+        f"FutureWarning: attnreg={old} is deprecated: use attnreg={new} (the same config under the method's name); "
+        "it will be removed in 0.3.0"
     ]

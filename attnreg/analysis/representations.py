@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -63,7 +64,7 @@ def token_importance(
         rows = torch.zeros(batch, dtype=torch.long)
     index = torch.arange(batch)
     total = sum(layer.float().mean(1)[index, rows.to(layer.device)].cpu() for layer in layers)
-    return total / len(layers)
+    return cast(torch.Tensor, total) / len(layers)
 
 
 def mean_token_similarity(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:

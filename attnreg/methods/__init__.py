@@ -9,8 +9,7 @@ Example:
     >>> kl = methods.SyntaxPriorKL(heads={0: [3], 1: [4]})
 """
 
-import warnings
-
+from attnreg import deprecations
 from attnreg.methods.base import Loop, Method, free_name
 from attnreg.methods.distillation import Distillation
 from attnreg.methods.dropout import AttentionDropoutSchedule, hidden_dropout_modules
@@ -24,15 +23,10 @@ from attnreg.methods.pruning.method import HeadGating
 from attnreg.methods.runner import Captured, Runner
 from attnreg.methods.syntax_prior import SyntaxPriorKL
 
-RENAMED = {
-    "AttentionPenalty": "AttentionLoss",
-    "DropoutSchedule": "AttentionDropoutSchedule",
-    "Entropy": "EntropyRegularizer",
-    "Monitor": "AttentionMonitor",
-    "PriorKL": "SyntaxPriorKL",
-}
-"""Old method names, still importable for one release with a `FutureWarning` (shown by Python's default filters,
-unlike a `DeprecationWarning` raised outside `__main__`) naming the new one."""
+RENAMED = deprecations.renamed("name", "attnreg.methods.")
+"""Old method names (`attnreg.deprecations`), still importable until the release that removes them, with a
+`FutureWarning` (shown by Python's default filters, unlike a `DeprecationWarning` raised outside `__main__`) naming the
+new one and that release."""
 
 
 def __getattr__(name: str):
@@ -44,17 +38,15 @@ def __getattr__(name: str):
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     kl = methods.PriorKL
-        >>> kl is methods.SyntaxPriorKL, str(caught[0].message)
-        (True, 'attnreg.methods.PriorKL is deprecated: use attnreg.methods.SyntaxPriorKL (the same method)')
+        >>> kl is methods.SyntaxPriorKL
+        True
+        >>> print(caught[0].message)
+        attnreg.methods.PriorKL is deprecated: use attnreg.methods.SyntaxPriorKL (the same method); it will be removed
+        in 0.3.0
     """
     if name in RENAMED:
-        new = RENAMED[name]
-        warnings.warn(
-            f"attnreg.methods.{name} is deprecated: use attnreg.methods.{new} (the same method)",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return globals()[new]
+        deprecations.warn(f"attnreg.methods.{name}", stacklevel=2)
+        return globals()[RENAMED[name]]
     raise AttributeError(f"module 'attnreg.methods' has no attribute {name!r}")
 
 

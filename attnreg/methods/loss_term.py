@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnreg import deprecations
 from attnreg.heads import head_numbers, pruned_heads
 from attnreg.methods.base import Method
 from attnreg.records import AttentionRecord, LayerInputs
@@ -225,12 +226,7 @@ def renamed_term(old: str) -> type[AttentionLoss]:
         >>> term is AttentionLoss, caught[0].category.__name__
         (True, 'FutureWarning')
     """
-    warnings.warn(
-        f"{old} is deprecated: use attnreg.methods.AttentionLoss (the same term of a function; AttentionTerm(name, fn, "
-        "layers, inputs) is AttentionLoss(fn, name=name, layers=layers, inputs=inputs))",
-        FutureWarning,
-        stacklevel=3,
-    )
+    deprecations.warn(old, stacklevel=3)
     return AttentionLoss
 
 

@@ -371,7 +371,7 @@ def check_tree(heads: list[int] | tuple[int, ...], where: str = "sentence") -> N
     if len(roots) != 1:
         raise ConlluError(f"{where}: a tree needs exactly one root (head 0), found {len(roots)}: words {roots}")
     for word in range(1, count + 1):
-        seen = set()
+        seen: set[int] = set()
         while word != 0:
             if word in seen:
                 raise ConlluError(f"{where}: the heads form a cycle through words {sorted(seen)}")

@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -107,4 +107,5 @@ def _hidden_mse(student: Any, teacher: Any, real: torch.Tensor | None) -> torch.
     squared = [
         (mine.float() - target.float()).pow(2).mean(-1) for mine, target in zip(ours[1:], theirs[1:], strict=True)
     ]
-    return sum(_over_real_tokens(values, real, "hidden states' batch x tokens") for values in squared) / len(squared)
+    total = sum(_over_real_tokens(values, real, "hidden states' batch x tokens") for values in squared)
+    return cast(torch.Tensor, total) / len(squared)
