@@ -12,6 +12,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from attnreg.app.configs import CONFIG_DIR, register_resolvers
 from attnreg.app.evaluation import accuracy
+from attnreg.app.summary import format_summary
 from attnreg.app.train import train
 from attnreg.methods.pruning import load_pruned, pruned_heads, silenced_heads
 
@@ -121,3 +122,31 @@ def test_the_logger_records_the_whole_runs_settings(tmp_path):
     assert settings["seed"] == 3 and settings["attnreg"]["syntax_prior_kl"]["weight"] == 0.25
     assert settings["data"]["_target_"].endswith("AgreementDataModule") and settings["model"]["family"] == "bert"
     assert settings["lr"] == settings["module"]["lr"]  # the module's own hyperparameters stay
+
+
+def test_protecting_the_supervised_heads_beyond_keep_is_refused_naming_the_setting(tmp_path):
+    overrides = [*AGREEMENT, *QUIET, "attnreg=[syntax_prior_kl,head_gating]", "attnreg.head_gating.removal.keep=1"]
+    with pytest.raises(ValueError, match=r"protect_supervised: true.*protect_supervised=false"):
+        train(composed(*overrides), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()  # refused before training
+
+
+def test_the_pruning_recipe_reports_an_equally_recovered_unpruned_control(tmp_path):
+    """`experiment=tiny_llama_pruning` (control: true): the summary's control is the unpruned model recovered with the
+    same LoRA, batches and distillation, no removal; recomputed here by hand with the library's own pieces."""
+    from attnreg.app.decoder_evaluation import perplexity
+
+    summary = train(composed("experiment=tiny_llama_pruning", *BUDGETS["tiny_llama_pruning"], *QUIET), tmp_path)
+    control = summary["pruning"]["control"]
+    assert control["steps"] == summary["steps"] > 0
+    assert control["ratio"] == pytest.approx(summary["perplexity"]["val"] / control["perplexity"], rel=1e-3)
+    # the control is not the pruned model: reloading the pruned one gives the summary's perplexity, not the control's
+    cfg = composed("experiment=tiny_llama_pruning", *BUDGETS["tiny_llama_pruning"], *QUIET)
+    data = instantiate(cfg.data, tokenizer=AutoTokenizer.from_pretrained(summary["pruning"]["saved"]), with_prior=False)
+    data.setup("fit")
+    import peft
+
+    saved = summary["pruning"]["saved"]
+    pruned = peft.PeftModel.from_pretrained(load_pruned(saved), saved).merge_and_unload()
+    assert perplexity(pruned, data.loader("val"))["perplexity"] == pytest.approx(summary["perplexity"]["val"], rel=1e-4)
+    assert "unpruned control, recovered the same way" in format_summary(summary)

@@ -377,6 +377,12 @@ def format_decoder_summary(summary: Mapping[str, Any]) -> str:
                 f"tokens/s against {speed['unpruned']['tokens_per_second']} unpruned ({pruning['speedup']:.2f}x)"
             )
         lines.append(line)
+        control = pruning.get("control")
+        if control:
+            lines.append(
+                f"unpruned control, recovered the same way ({control['steps']} steps): validation perplexity "
+                f"{control['perplexity']:.2f}; the pruned model's is {control['ratio']:.3f}x it"
+            )
     else:
         lines.append("heads pruned: none")
     for prompt, continuation in (summary.get("continuations") or {}).items():

@@ -75,6 +75,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
 from attnreg.app.configs import register_resolvers
+from attnreg.app.decoder_evaluation import perplexity
 from attnreg.app.failed_jobs import failed_jobs_reported
 from attnreg.app.models import add_lora, decoder_family, load_tokenizer
 from attnreg.app.modules import CausalLM
@@ -176,6 +177,7 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     started = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
     seconds = time.perf_counter() - started
+    control = recover_unpruned(cfg, base, data) if decoder and pruning and cfg.get("control") else None
     if trainer.world_size > 1:  # each process logs its pruning to its own Hydra job log, to compare across ranks
         log.info("rank %d: heads pruned %s", trainer.global_rank, pruned_heads(module.model))
     if not trainer.is_global_zero:
@@ -184,6 +186,8 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         summary = summarize_decoder(cfg, module.model, data, callbacks, trainer, seconds, choices or {}, unpruned)
     else:
         summary = summarize(cfg, transformers_model(module.model), data, callbacks, trainer, seconds, choices or {})
+    if control is not None and summary.get("pruning"):
+        summary["pruning"]["control"] = control_report(control, data, summary["perplexity"]["val"])
     summary["checkpoint"] = (checkpoints[0].best_model_path or None) if cfg.get("checkpoint") else None
     summary["output_dir"] = str(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -194,6 +198,41 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     return summary
+
+
+def recover_unpruned(cfg: DictConfig, base: PreTrainedModel, data: Any) -> tuple[L.Trainer, Any]:
+    """The unpruned model (`base`, as built) recovered as the run recovered the pruned one: the same seed, batches,
+    LoRA adapter, steps and methods, less those that remove heads (a `teacher: base` distils from `base` itself).
+    The pruning presets turn it on (`control: true`), so that the summary gives the pruned model's perplexity
+    against an equally recovered unpruned model, its own cost. Returns the control's trainer and model."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    callbacks = [callback for callback in instantiate_callbacks(cfg).values() if not removes_heads([callback])]
+    model = copy.deepcopy(base).train()
+    if cfg.get("peft"):
+        options = {k: v for k, v in cfg.peft.items() if k != "merge"}
+        model = add_lora(model, **options, seed=cfg.seed, task_type="CAUSAL_LM")
+    provide(callbacks, data, base)
+    module = instantiate(cfg.module, model=model)
+    trainer = instantiate(cfg.trainer, logger=False, callbacks=callbacks, enable_checkpointing=False)
+    trainer.fit(module, datamodule=data)
+    return trainer, module.model
+
+
+def control_report(control: tuple[L.Trainer, Any], data: Any, pruned_perplexity: float) -> dict[str, Any]:
+    """The recovered unpruned model's validation perplexity, its steps, and the pruned model's over it.
+
+    Example:
+        >>> from attnreg.app.lm import AgreementLMDataModule
+        >>> from attnreg.app.models import tiny_causal_lm
+        >>> data = AgreementLMDataModule(train=8, val=8); data.setup("fit")
+        >>> report = control_report((L.Trainer(logger=False), tiny_causal_lm(data.tokenizer)), data, 50.0)
+        >>> sorted(report), report["steps"]
+        (['perplexity', 'ratio', 'steps'], 0)
+    """
+    trainer, model = control
+    scores = perplexity(transformers_model(model), data.loader("val"))
+    ratio = pruned_perplexity / scores["perplexity"]
+    return {"perplexity": scores["perplexity"], "ratio": round(ratio, 4), "steps": trainer.global_step}
 
 
 def run_settings(cfg: DictConfig, choices: Mapping[str, Any]) -> dict[str, Any]:
