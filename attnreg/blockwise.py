@@ -137,6 +137,7 @@ def prior_cross_entropy(
         >>> prior_cross_entropy(query, key, None, parents, 0.5, heads=[1], causal=True)[0, 0, [0, 3]]
         tensor([0., 0.])
     """
+    check_prior(prior, None)
     blocks, order = _blocks(query, key, attention_mask, scaling, heads, temperature, causal, block_size, softcap, sinks)
     if prior.dim() == 2 and not mean_attention:
         nll = [torch.cat([_BlockParentNLL.apply(*part[:8], prior[:, part.rows]) for part in row], 1) for row in blocks]

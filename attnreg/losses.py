@@ -239,7 +239,7 @@ HeadReduction = Literal["mean_heads", "mean_attention"]
 
 
 def check_prior(
-    prior: torch.Tensor, probs_shape: Sequence[int], heads: Sequence[int] | None = None, values: bool = True
+    prior: torch.Tensor, probs_shape: Sequence[int] | None, heads: Sequence[int] | None = None, values: bool = True
 ) -> None:
     """Raise a clear error unless `prior` (and `heads`) can supervise attention of shape `[B, H, T, S]`.
 
@@ -257,14 +257,28 @@ def check_prior(
         >>> check_prior(torch.tensor([[2, -5, 0]]), (1, 4, 3, 3))
         Traceback (most recent call last):
         IndexError: prior: row (batch 0, query 1) has key index -5, outside 0..2 (only -1 leaves a row out)
+
+    `probs_shape=None` checks only what the prior says of itself (a tensor of key indices or dense rows), before
+    the attention's shape is known (counting a batch's rows ahead):
+
+        >>> check_prior([[2, -1, 0]], None)
+        Traceback (most recent call last):
+        TypeError: prior must be a torch.Tensor (key indices [B, T] or dense rows [B, T, S]), got list
     """
-    batch, count, queries, keys = probs_shape
-    if heads is not None:
-        _check_heads(heads, count)
+    if probs_shape is not None and heads is not None:
+        _check_heads(heads, probs_shape[1])
     if not isinstance(prior, torch.Tensor):
         raise TypeError(
             f"prior must be a torch.Tensor (key indices [B, T] or dense rows [B, T, S]), got {type(prior).__name__}"
         )
+    if probs_shape is None:
+        if prior.dim() not in (2, 3):
+            raise ValueError(
+                f"prior of shape {tuple(prior.shape)}: expected key indices [B, T] or dense rows [B, T, S]"
+            )
+        probs_shape = (prior.shape[0], 1, prior.shape[1], prior.shape[-1] if prior.dim() == 3 else prior.shape[1])
+        values = False
+    batch, count, queries, keys = probs_shape
     expected = (batch, queries) if prior.dim() == 2 else (batch, queries, keys)
     if tuple(prior.shape) != expected:
         raise ValueError(
@@ -422,6 +436,7 @@ def prior_rows(
         >>> prior_rows(parents), prior_rows(parents, causal=True, window=2)     # query 2's parent is 2 back
         (tensor(3), tensor(2))
     """
+    check_prior(prior, None)
     queries = prior.shape[1]
     keys = prior.shape[2] if prior.dim() == 3 else queries
     back = (torch.arange(queries, device=prior.device) + (keys - queries))[:, None] - torch.arange(
@@ -459,6 +474,7 @@ def reachable_prior(
         >>> reachable_prior(torch.tensor([[-1, 0, 0, 2]]), window, causal=True)      # query 2's parent is 2 back
         (tensor([[-1,  0, -1,  2]]), tensor(1))
     """
+    check_prior(prior, None)
     batch, queries = prior.shape[:2]
     keys = prior.shape[2] if prior.dim() == 3 else keys if keys is not None else queries
     if causal:
@@ -490,6 +506,7 @@ def causal_prior(prior: torch.Tensor, keys: int | None = None) -> torch.Tensor:
         >>> causal_prior(torch.tensor([[1, 0, 2]]))                      # query 0 cannot see key 1
         tensor([[-1,  0,  2]])
     """
+    check_prior(prior, None)
     queries = prior.shape[1]
     keys = queries if keys is None else keys
     position = torch.arange(queries, device=prior.device) + (keys - queries)

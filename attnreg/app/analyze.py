@@ -4,7 +4,8 @@ r"""`attnreg-analyze`: analyze the attention heads of a model on some sentences 
 
 MODEL is a local model directory (`save_pretrained`, or `attnreg.methods.pruning.save_pruned` for a pruned
 model), a Lightning checkpoint (`.ckpt`) of `attnreg.app.modules.SequenceClassifier` together with
-`--base`, the model it was fine-tuned from, or a Hugging Face Hub name (which needs a download).
+`--base`, the model it was fine-tuned from, or a Hugging Face Hub name (which needs a download); a directory
+holding a GGUF file instead of `config.json` (SmolLM2 as `model=smollm2` loads it) with `--gguf-file NAME`.
 DATA is a CoNLL-U file (`.conllu`, `.conllu.gz`: gold trees) or a text file with one sentence per
 line (parsed with spaCy, `pip install 'attnreg[parse]'`). The tokenizer is the model's (its directory,
 or `--base` for a checkpoint) unless `--tokenizer` names one; a directory without tokenizer files, or
@@ -95,6 +96,7 @@ from attnreg.analysis import (
 from attnreg.analysis.blocks import BLOCK_SIZE
 from attnreg.analysis.head_view import HeadViewRecorder
 from attnreg.app.inputs import check_model_folder, check_vocabulary
+from attnreg.app.models import clear_quantizer
 from attnreg.hub import attach
 from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
 from attnreg.syntax.trees import ConlluError, Sentence, read_conllu
@@ -136,12 +138,19 @@ class InputError(ValueError):
 # Loading
 # ---------------------------------------------------------------------------------------------
 def load_model(
-    spec: str, base: str | None = None, tokenizer: str | None = None, trust_checkpoint: bool = False
+    spec: str,
+    base: str | None = None,
+    tokenizer: str | None = None,
+    trust_checkpoint: bool = False,
+    gguf_file: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model in eval mode, fast tokenizer) from a directory, a `.ckpt` (with `base`) or a hub name.
 
     A `.ckpt` is read with `torch.load(weights_only=True)`: tensors, plain data and `SAFE_CHECKPOINT_TYPES`;
     one holding anything else is refused unless `trust_checkpoint` (unpickling it can run code from the file).
+    `gguf_file` (`--gguf-file`) names a GGUF file in the directory (or hub repository) `spec` (for a `.ckpt`:
+    `base`), as `model=smollm2` loads it: dequantized to float32, its tokenizer read from the same file unless
+    `tokenizer` names another (see `load_folder`).
 
     Example:
         >>> import tempfile
@@ -174,10 +183,10 @@ def load_model(
                 f"{spec} is a Lightning checkpoint: give --base, the model directory (or name) it was fine-tuned "
                 "from, so the architecture can be rebuilt"
             )
-        model = _from_checkpoint(path, base, trust_checkpoint)
+        model = _from_checkpoint(path, base, trust_checkpoint, gguf_file)
         source = tokenizer or base
     elif path.is_dir():
-        model = load_folder(path)
+        model = load_folder(path, gguf_file)
         source = tokenizer or spec
     elif path.exists():
         raise InputError(f"{spec} is a file but not a Lightning checkpoint (.ckpt); give a model directory instead")
@@ -186,9 +195,11 @@ def load_model(
             check_model_folder(spec)  # a path that does not exist is no hub name
         except FileNotFoundError as error:
             raise InputError(str(error)) from error
-        model = _from_hub(spec, AutoModel)
+        model = _from_hub(spec, AutoModel, **_gguf_options(gguf_file))
+        model = clear_quantizer(model) if gguf_file else model
         source = tokenizer or spec
-    loaded = _tokenizer(source)
+    from_gguf = gguf_file if gguf_file and (source in (spec, base) or (Path(source) / gguf_file).is_file()) else None
+    loaded = _tokenizer(source, from_gguf)
     try:
         check_vocabulary(loaded, model)
     except ValueError as error:
@@ -196,11 +207,13 @@ def load_model(
     return model.eval(), loaded
 
 
-def load_folder(path: Path) -> PreTrainedModel:
+def load_folder(path: Path, gguf_file: str | None = None) -> PreTrainedModel:
     """The model a folder holds, as the run that wrote it had it: a transformers model (`save_pretrained`, a run's
     `model/` or `merged_model/`), a pruned one (`save_pruned`, a run's `pruned_model/`), either with the LoRA adapter
     saved beside it (`adapter_config.json`) merged in; an adapter folder alone (a run's `adapter/`) on the base model
-    its `adapter_config.json` names.
+    its `adapter_config.json` names; with `gguf_file`, the model of that GGUF file in the folder (dequantized to
+    float32, quantizer flags cleared as `attnreg.app.models.clear_quantizer` clears them). A folder holding GGUF
+    files but no `config.json` is refused without `gguf_file`, naming the files.
 
     Example:
         >>> import tempfile
@@ -213,10 +226,14 @@ def load_folder(path: Path) -> PreTrainedModel:
         >>> torch.allclose(load_folder(folder)(ids).logits, model.eval()(ids).logits, atol=1e-5)   # with its adapter
         True
     """
+    if gguf_file:
+        _check_gguf(path, gguf_file)
+        return clear_quantizer(AutoModel.from_pretrained(path, **_gguf_options(gguf_file)))
     adapter = (path / "adapter_config.json").is_file()
     if not (path / "config.json").is_file():
         if adapter:
             return _adapter_on_its_base(path)
+        _check_gguf(path, None)
         raise InputError(f"{path} is a directory without config.json: not a saved transformers model")
     model = load_pruned(path) if (path / SPEC_FILE).is_file() else AutoModel.from_pretrained(path)
     if adapter:
@@ -224,6 +241,47 @@ def load_folder(path: Path) -> PreTrainedModel:
 
         model = peft.PeftModel.from_pretrained(model, path).merge_and_unload()
     return model
+
+
+def _check_gguf(path: Path, gguf_file: str | None) -> None:
+    """Refuse a `gguf_file` that is not a file of the folder `path`, and (`gguf_file` None) a folder without
+    `config.json` that holds GGUF files: the model is in one of them, which `--gguf-file` must name.
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp()); _ = (folder / "SmolLM2.Q4_1.gguf").write_bytes(b"")
+        >>> _check_gguf(folder, None)
+        Traceback (most recent call last):
+        ...
+        attnreg.app.analyze.InputError: /... has no config.json but holds the GGUF file SmolLM2.Q4_1.gguf: ...
+        >>> _check_gguf(folder, "model.gguf")
+        Traceback (most recent call last):
+        ...
+        attnreg.app.analyze.InputError: --gguf-file model.gguf: no such file in /... (its GGUF files: SmolLM2.Q4_1.gguf)
+    """
+    found = sorted(file.name for file in path.glob("*.gguf") if file.is_file())
+    if gguf_file is None:
+        if found and not (path / "config.json").is_file():
+            files = f"GGUF file {found[0]}" if len(found) == 1 else f"GGUF files {', '.join(found)}"
+            raise InputError(
+                f"{path} has no config.json but holds the {files}: name the one to load with --gguf-file NAME "
+                f"(for instance --gguf-file {found[0]}), as model=smollm2 names its gguf_file"
+            )
+        return
+    if Path(gguf_file).name != gguf_file:
+        raise InputError(f"--gguf-file {gguf_file}: give a file name in the model directory {path}, not a path")
+    if not (path / gguf_file).is_file():
+        held = f"its GGUF files: {', '.join(found)}" if found else "it holds no .gguf file"
+        raise InputError(f"--gguf-file {gguf_file}: no such file in {path} ({held})")
+
+
+def _gguf_options(gguf_file: str | None) -> dict[str, Any]:
+    """`from_pretrained` keywords reading the model of `gguf_file` dequantized to float32 (none without one)."""
+    if not gguf_file:
+        return {}
+    from transformers import GgufConfig
+
+    return {"gguf_file": gguf_file, "dtype": torch.float32, "quantization_config": GgufConfig(dequantize=True)}
 
 
 def _adapter_on_its_base(path: Path) -> PreTrainedModel:
@@ -250,8 +308,20 @@ def _from_hub(name: str, loader: Any, **kwargs: Any) -> Any:
         ) from error
 
 
-def _tokenizer(source: str) -> PreTrainedTokenizerBase:
+def _tokenizer(source: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     path = Path(source)
+    if gguf_file:  # the vocabulary the GGUF file carries
+        options = {"gguf_file": gguf_file}
+        loaded = (
+            AutoTokenizer.from_pretrained(source, **options)
+            if path.is_dir()
+            else _from_hub(source, AutoTokenizer, **options)
+        )
+        if not loaded.is_fast:
+            raise InputError(
+                f"the tokenizer of {source}/{gguf_file} is not a fast tokenizer; the analysis needs character offsets"
+            )
+        return loaded
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise InputError(
             f"{source} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), and the tokenizer transformers "
@@ -265,8 +335,9 @@ def _tokenizer(source: str) -> PreTrainedTokenizerBase:
     return loaded
 
 
-def _from_checkpoint(path: Path, base: str, trust: bool = False) -> PreTrainedModel:
-    """A `SequenceClassifier` checkpoint's model: rebuilt from `base`'s config, pruning re-applied, weights loaded."""
+def _from_checkpoint(path: Path, base: str, trust: bool = False, gguf_file: str | None = None) -> PreTrainedModel:
+    """A `SequenceClassifier` checkpoint's model: rebuilt from `base`'s config (that of its GGUF file `gguf_file`),
+    pruning re-applied, weights loaded."""
     checkpoint = _load_checkpoint(path, trust)
     if "state_dict" not in checkpoint:
         raise InputError(f"{path} has no state_dict: not a Lightning checkpoint")
@@ -275,7 +346,12 @@ def _from_checkpoint(path: Path, base: str, trust: bool = False) -> PreTrainedMo
         raise InputError(
             f"{path}: no weights under 'model.'; expected a checkpoint of attnreg.app.modules.SequenceClassifier"
         )
-    config = AutoConfig.from_pretrained(base) if Path(base).is_dir() else _from_hub(base, AutoConfig)
+    options = {"gguf_file": gguf_file} if gguf_file else {}
+    if Path(base).is_dir():
+        _check_gguf(Path(base), gguf_file)
+        config = AutoConfig.from_pretrained(base, **options)
+    else:
+        config = _from_hub(base, AutoConfig, **options)
     model = AutoModelForSequenceClassification.from_config(config)
     prefix = f"{model.base_model_prefix}."
     for key, value in model.state_dict().items():
@@ -594,6 +670,12 @@ def build_parser() -> argparse.ArgumentParser:
         "for a file you trust)",
     )
     parser.add_argument("--tokenizer", help="tokenizer directory or name (default: the model's)")
+    parser.add_argument(
+        "--gguf-file",
+        metavar="NAME",
+        help="a GGUF file in the MODEL directory (or hub repository) to load, dequantized, with its tokenizer "
+        "(as model=smollm2 loads SmolLM2-135M-Instruct.Q4_1.gguf)",
+    )
     parser.add_argument("--format", choices=["auto", "conllu", "text"], default="auto", dest="data_format")
     parser.add_argument("--limit", type=int, help="analyze only the first N sentences")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -648,12 +730,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.block_size < 1:
         parser.error(f"--block-size must be >= 1, got {args.block_size}")
     try:
-        model, tokenizer = load_model(args.model, args.base, args.tokenizer, args.trust_checkpoint)
+        model, tokenizer = load_model(args.model, args.base, args.tokenizer, args.trust_checkpoint, args.gguf_file)
         sentences = load_sentences(args.data, args.data_format, args.limit)
         _check_tokenizer(tokenizer, sentences)
         compare = None
         if args.compare:
-            compare = load_model(args.compare, args.base, args.tokenizer, args.trust_checkpoint)[0]
+            gguf = args.gguf_file if args.gguf_file and (Path(args.compare) / args.gguf_file).is_file() else None
+            compare = load_model(args.compare, args.base, args.tokenizer, args.trust_checkpoint, gguf)[0]
     except InputError as error:
         parser.exit(2, f"attnreg-analyze: error: {error}\n")
     if not 0 <= args.example < len(sentences):

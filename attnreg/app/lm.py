@@ -15,7 +15,8 @@ assistant reply is parsed (or read from the row's `parse`) and the prior covers 
 Every row is checked when the data is set up, before training: an empty or malformed CoNLL-U file, a parse whose
 words are not in its text, a chat row without an assistant turn, a tokenizer without a chat template, and a row that
 would train on nothing (one token of text, or a chat row whose assistant tokens `data.max_length` cuts away: its loss
-would be NaN) are refused naming the file and row.
+would be NaN) are refused naming the file and row, and so is a tokenizer that reads most words of a split as unknown
+(`check_tokenizer_reads`: the parent accuracy after training would refuse it, the run wasted).
 
 Example:
     >>> import warnings
@@ -43,6 +44,7 @@ from attnreg.syntax.align import word_spans
 from attnreg.syntax.data import SyntaxCollator
 from attnreg.syntax.priors import SyntaxPrior
 from attnreg.syntax.trees import Sentence, read_conllu
+from attnreg.syntax.vocabulary import check_tokenizer
 
 DEFAULT_PROMPTS = ("The capital of France is", "My favourite food is", "To make a cup of tea, you")
 ROLES = ("system", "user", "assistant", "tool")
@@ -125,6 +127,29 @@ def check_lm_rows(
         )
 
 
+def check_tokenizer_reads(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], source: str) -> None:
+    """Refuse, before training, a tokenizer that reads most words of `texts` (from `source`, a data file) as unknown
+    (`attnreg.analysis.check_tokenizer`, the check the parent accuracy runs after training): naming the data, the
+    tokenizer (its `name_or_path`) and the share of unknown words.
+
+    Example:
+        >>> check_tokenizer_reads(build_tokenizer(["the", "dog"]), ["the dog sees"], "data.train=a.txt")
+        >>> check_tokenizer_reads(build_tokenizer(["x"]), ["the dog sees"], "data.train=a.txt")
+        Traceback (most recent call last):
+        ...
+        ValueError: data.train=a.txt: the tokenizer (built from the training data's words) cannot tokenize the text: ...
+    """
+    try:
+        check_tokenizer(tokenizer, texts)
+    except ValueError as error:
+        name = getattr(tokenizer, "name_or_path", "") or "built from the training data's words"
+        detail = str(error).removeprefix("the tokenizer cannot tokenize the text: ")
+        raise ValueError(
+            f"{source}: the tokenizer ({name}) cannot tokenize the text: {detail}. Refused before training: the "
+            "model would learn little but the unknown token, and its parent accuracy could not be measured"
+        ) from error
+
+
 class DecoderDataModule(AppDataModule):
     """What the decoder data modules share beyond `AppDataModule` (whose `options` they take): a word-level tokenizer
     built from the training texts' `vocab_size` most frequent words when the model brings none (`chat_template`, when
@@ -171,6 +196,16 @@ class DecoderDataModule(AppDataModule):
     def tree_sentences(self) -> list[Sentence] | None:
         sentences = [example for example in self.datasets.get("val", []) if isinstance(example, Sentence)]
         return sentences or None
+
+    def source(self, split: str) -> str:
+        """Where `split`'s rows come from, for errors."""
+        return f"data.{split}"
+
+    def check_vocabulary(self, datasets: Mapping[str, Sequence[Any]]) -> None:
+        """`check_tokenizer_reads` on each split's texts, naming its `source`."""
+        for split, rows in datasets.items():
+            if rows:
+                check_tokenizer_reads(self.tokenizer, [_text(row) for row in rows], self.source(split))
 
 
 class LMDataModule(DecoderDataModule):
@@ -238,6 +273,7 @@ class LMDataModule(DecoderDataModule):
                 wheres = self.wheres.get(split, [])[: len(rows)]
                 wheres += [f"data.{split} row {number}" for number in range(len(wheres) + 1, len(rows) + 1)]
                 check_lm_rows(self.tokenizer, [_text(row) for row in rows], wheres, self.max_length)
+            self.check_vocabulary(self.datasets)
         except ValueError:
             self.datasets = {}
             raise
@@ -246,6 +282,9 @@ class LMDataModule(DecoderDataModule):
                 from attnreg.syntax.parse import parse_texts
 
                 self.datasets[split] = parse_texts([row["text"] for row in rows])
+
+    def source(self, split: str) -> str:
+        return f"data.{split}={self.files[split]}"
 
 
 class HubLMDataModule(LMDataModule):
@@ -289,6 +328,9 @@ class HubLMDataModule(LMDataModule):
             raise ValueError(f"dataset {self.path!r} split {self.splits[split]!r}: no text")
         return rows
 
+    def source(self, split: str) -> str:
+        return f"dataset {self.path} split {self.splits[split]}"
+
 
 class AgreementLMDataModule(DecoderDataModule):
     """Sentences of the built-in grammar (`attnreg.app.task`) with their gold trees, the masked subject written out
@@ -311,8 +353,15 @@ class AgreementLMDataModule(DecoderDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
             return
-        for offset, split in enumerate(("train", "val")):
-            self.datasets[split] = grammar_sentences(self.sizes[split], self.seed + 1000 * offset)
+        datasets = {
+            split: grammar_sentences(self.sizes[split], self.seed + 1000 * offset)
+            for offset, split in enumerate(("train", "val"))
+        }
+        self.check_vocabulary(datasets)
+        self.datasets.update(datasets)
+
+    def source(self, split: str) -> str:
+        return f"data.{split} (sentences of the built-in grammar)"
 
 
 def grammar_sentences(count: int, seed: int) -> list[Sentence]:
@@ -606,10 +655,14 @@ class ChatDataModule(DecoderDataModule):
                 rendered.append(render_chat(self.tokenizer, messages, where))
                 items.append({"messages": messages, "where": where, "sentence": self.reply(row, messages, where)})
             check_assistant_tokens(self.tokenizer, rendered, [item["where"] for item in items], self.max_length)
+            self.check_vocabulary({split: items})
             if self.with_prior:
                 self._parse_missing(items)
             datasets[split] = items
         self.datasets.update(datasets)
+
+    def source(self, split: str) -> str:
+        return f"data.{split}={self.files[split]}"
 
     def reply(self, row: Mapping[str, Any], messages: list[dict[str, str]], where: str) -> Sentence | None:
         """The last assistant reply as a `Sentence` when the row gives its parse (else None: parsed if needed)."""
@@ -676,6 +729,9 @@ class HubChatDataModule(ChatDataModule):
             )
         where = f"dataset {self.path} split {self.splits[split]} row"
         return [(f"{where} {number}", row) for number, row in enumerate(dataset, start=1)]
+
+    def source(self, split: str) -> str:
+        return f"dataset {self.path} split {self.splits[split]}"
 
 
 def _text(example: Any) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from attnreg import blockwise
-from attnreg.losses import HeadReduction, causal_prior, prior_kl, prior_rows, reachable_prior
+from attnreg.losses import HeadReduction, causal_prior, check_prior, prior_kl, prior_rows, reachable_prior
 from attnreg.methods.loss_term import Heads, LossTerm
 from attnreg.records import AttentionRecord
 from attnreg.schedules import ScheduleLike
@@ -184,6 +184,7 @@ class SyntaxPriorKL(LossTerm):
         if self.model is None or not isinstance(batch, dict) or self.prior_key not in batch:
             return None
         prior, padding = batch[self.prior_key], batch.get("attention_mask")
+        self._check_type(prior)
         windows = list(dict.fromkeys(self._windows.values()))
         counts = torch.stack([prior_rows(prior, padding, self.causal, window) for window in windows]).tolist()
         found = dict(zip(windows, counts, strict=True))
@@ -210,6 +211,7 @@ class SyntaxPriorKL(LossTerm):
                 "Build batches with attnreg.syntax.SyntaxCollator (or put your own prior under that key)."
             )
         prior = batch[self.prior_key]
+        self._check_type(prior)
         if self._quiet is not None and not torch.compiler.is_compiling():
             self._count_rows(prior)
         active = self.active_heads()
@@ -231,6 +233,14 @@ class SyntaxPriorKL(LossTerm):
         self._report_window(probs, prior, active)
         losses = torch.stack(values)
         return losses.mean(), self.layer_figures(active, losses)
+
+    def _check_type(self, prior: Any) -> None:
+        """`check_prior`'s TypeError for a prior that is no tensor of key indices or dense rows, before the batch's
+        prior is read (counted, restricted), naming the batch key."""
+        try:
+            check_prior(prior, None)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{type(self).__name__} batch[{self.prior_key!r}]: {error}") from error
 
     def on_fit_end(self, loop: Any) -> None:
         for child in self._kinds.values() or [self]:
