@@ -528,6 +528,8 @@ def _load_hub_dataset(path: str, name: str | None, data_files: Any, split: str) 
         raise ImportError("data=hf_dataset needs the datasets library: pip install datasets") from error
     try:
         return datasets.load_dataset(path, name, data_files=data_files, split=split)
+    except FileNotFoundError:
+        raise  # a local file that is not there: its own message, not a download's
     except (ConnectionError, OSError) as error:
         raise OSError(
             f"could not load dataset {path!r} (name={name!r}, split={split!r}) offline: it needs a download from the "

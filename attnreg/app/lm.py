@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ from attnreg.app.task import build_tokenizer, generate, vocabulary
 from attnreg.syntax.align import word_spans
 from attnreg.syntax.data import SyntaxCollator
 from attnreg.syntax.priors import SyntaxPrior
-from attnreg.syntax.trees import Sentence, read_conllu
+from attnreg.syntax.trees import Sentence, iter_conllu
 from attnreg.syntax.vocabulary import check_tokenizer
 
 DEFAULT_PROMPTS = ("The capital of France is", "My favourite food is", "To make a cup of tea, you")
@@ -248,7 +249,8 @@ class LMDataModule(DecoderDataModule):
         if not path.is_file():
             raise FileNotFoundError(f"data.{split}: {path} does not exist (resolved: {path.resolve()})")
         if path.name.endswith((".conllu", ".conllu.gz")):
-            rows: list = [s for s in read_conllu(path) if len(s.words) >= self.min_words[split]]
+            long_enough = (s for s in iter_conllu(path) if len(s.words) >= self.min_words[split])
+            rows: list = list(itertools.islice(long_enough, self.limits[split]))  # the first n: no need to read on
             for sentence in rows:
                 word_spans(sentence)  # raises naming file:line when the words are not in the text
             self.wheres[split] = [sentence.where for sentence in rows]

@@ -171,7 +171,9 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     logger = instantiate(cfg.logger, save_dir=str(output_dir)) if cfg.get("logger") else False
     if logger:  # the whole run's settings: seed, data, model, each method's, the config groups chosen
         logger.log_hyperparams(run_settings(cfg, choices or {}))
-    trainer = instantiate(cfg.trainer, logger=logger, callbacks=[*callbacks.values(), *checkpoints])
+    trainer = instantiate(  # default_root_dir: nothing Lightning writes by default lands outside the run folder
+        cfg.trainer, logger=logger, callbacks=[*callbacks.values(), *checkpoints], default_root_dir=str(output_dir)
+    )
     log.info(describe_run(cfg, model, trainer, choices or {}))
 
     started = time.perf_counter()
