@@ -14,8 +14,8 @@ Example:
     >>> from attnreg.tiny import tiny_model
     >>> model = tiny_model("llama", head="causal_lm")           # 4 query heads, 2 key/value groups a layer
     >>> report = prune_heads(model, {0: [0, 1, 2]})               # group 0 goes; head 2 is silenced in place
-    >>> report.removed, report.kept
-    ({0: (0, 1)}, {0: (2,)})
+    >>> report.removed, list(report.kept[0])
+    ({0: (0, 1)}, [2])
     >>> same = load_pruned(save_pruned(model, tempfile.mkdtemp()))
     >>> pruned_heads(same), silenced_heads(same)
     ({0: (0, 1)}, {0: (2,)})
