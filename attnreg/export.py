@@ -51,7 +51,7 @@ from attnreg.heads import head_numbers, silenced_heads
 from attnreg.hub import detach, is_attached
 from attnreg.unwrap import transformers_model
 
-__all__ = ["ExportError", "export_gguf", "export_onnx", "export_transformers", "head_layout"]
+__all__ = ["FORMATS", "ExportError", "check_export", "export_gguf", "export_onnx", "export_transformers", "head_layout"]
 
 CARRIERS = (
     "attnreg.methods.pruning.save_pruned (any family, any layout; read back with load_pruned), "
@@ -59,6 +59,9 @@ CARRIERS = (
     "attnreg.export.export_onnx (any family, per-layer counts included; what encoders are served with)"
 )
 """The formats named by a refusal."""
+
+FORMATS = ("transformers", "gguf", "onnx")
+"""The export formats: `export_transformers`, `export_gguf`, `export_onnx`."""
 
 GGUF_FAMILIES = ("llama",)
 """Families `export_gguf` writes (llama.cpp's `llama` architecture, or `deci` for per-layer head counts)."""
@@ -98,6 +101,65 @@ def head_layout(model: nn.Module) -> list[tuple[int, int]]:
     return [family.head_counts(family.attention_module(inner, i)) for i in range(len(family.blocks(inner)))]
 
 
+def check_export(model: nn.Module, formats: Sequence[str]) -> None:
+    """Refuse, before training, the `formats` (of `FORMATS`) that no pruning of `model` could make exact: those the
+    family alone rules out. Whether the heads kept allow it (one count for all layers, say) is checked by the export
+    itself, when the pruned model is there.
+
+    - `transformers`: the family must read the head size from `config.head_dim`. Probed by building the model class
+      on the meta device from a config with twice the heads and `head_dim` unchanged: each size of its attention
+      weights must stay or double, some doubling (Llama's do; BERT, GPT-2 and Phi's per-head norms divide
+      `hidden_size` among the heads instead).
+    - `gguf`: the family and the config must be what `export_gguf` writes (`_check_gguf`).
+    - `onnx`: any model.
+
+    Example:
+        >>> from attnreg.tiny import tiny_model
+        >>> check_export(tiny_model("llama", head="causal_lm"), ["transformers", "gguf"])
+        >>> check_export(tiny_model("bert"), ["onnx", "gguf"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        attnreg.export.ExportError: cannot write BertModel as GGUF: family 'bert' is not one attnreg writes as GGUF ...
+    """
+    unknown = [name for name in formats if name not in FORMATS]
+    if unknown:
+        raise ExportError(f"unknown export formats {unknown}: attnreg writes {list(FORMATS)}")
+    inner = transformers_model(model)
+    family = detect_family(inner)
+    if "gguf" in formats:
+        _check_gguf(inner, family, head_layout(inner))
+    if "transformers" in formats and not _reads_head_dim(inner, family):
+        raise ExportError(
+            f"cannot write {type(inner).__name__} as a plain transformers checkpoint once heads are removed: "
+            f"{family.name} derives the head size from hidden_size / num_attention_heads instead of reading "
+            f"config.head_dim, so no plain config gives it fewer heads. Formats that carry it: {CARRIERS}."
+        )
+
+
+def _reads_head_dim(model: PreTrainedModel, family: Family) -> bool:
+    config = copy.deepcopy(model.config)
+    _strip_record(config)
+    attention = family.attention_module(model, 0)
+    heads, kv_heads = family.head_counts(attention)
+    config.head_dim = family.head_dim(attention)
+    config.num_attention_heads = 2 * heads
+    if hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = 2 * kv_heads
+    try:
+        with torch.device("meta"):
+            rebuilt = type(model)(config)
+    except Exception:  # a config that cannot even build (hidden_size not a multiple of the heads)
+        return False
+    path = next(name for name, module in model.named_modules() if module is attention)
+    before = {name: tuple(p.shape) for name, p in attention.named_parameters()}
+    after = {name: tuple(p.shape) for name, p in rebuilt.get_submodule(path).named_parameters()}
+    if before.keys() != after.keys() or any(len(before[name]) != len(after[name]) for name in before):
+        return False
+    sizes = [(old, new) for name in before for old, new in zip(before[name], after[name], strict=True)]
+    # every size kept or doubled with the heads (a per-head norm of head_dim keeps its size), and some doubled
+    return all(new in (old, 2 * old) for old, new in sizes) and any(new == 2 * old for old, new in sizes)
+
+
 # --- the copy that is served -----------------------------------------------------------------------------------
 
 
@@ -120,6 +182,11 @@ def _serving_copy(model: nn.Module, target: str) -> PreTrainedModel:
         served = served.merge_and_unload()
     if weights.adapter_layers(served):
         raise ExportError(f"cannot write {target}: the adapter did not merge. Nothing was written.")
+    if getattr(served, "hf_quantizer", None) is not None:  # loaded from a GGUF file, dequantized: a float model
+        try:
+            compat.clear_quantizer(served)
+        except ValueError as error:
+            raise ExportError(f"cannot write {target}: {error}. Nothing was written.") from None
     _fold_silenced(served)
     return served.eval()
 

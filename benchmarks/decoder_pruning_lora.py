@@ -7,7 +7,11 @@ key/value groups, chosen globally, at least one group left per layer for importa
 - `importance`: head importance (Michel et al. 2019) on the LM loss, a group's score the sum of its query heads';
 - `hard_concrete_lora`: `HeadGating(HardConcreteGates, Removal(keep=..., groups=True))` trained beside a LoRA
   adapter on q/k/v/o for `--gate-steps`, the groups removed with the adapter at the end;
-- `random`: groups drawn with the seed.
+- `random`: groups drawn with the seed;
+- `uniform`: the same importance scores, the same number of groups from every layer, each layer's least important
+  (`attnreg.methods.pruning.select_groups(..., uniform=True)`, the policy `ImportanceRemoval(uniform=True)` uses):
+  what a plain transformers checkpoint can hold (`attnreg.export.export_transformers`). Only where the sparsity is a
+  whole number of groups per layer (a third of SmolLM2's 3 groups per layer is one; a quarter is not).
 Every pruned model and the unpruned control then recover for `--recovery` steps in each way: `lora` (a LoRA
 adapter on q/k/v/o and the MLP; the gated run's adapter goes on), `full` (all weights), each plain and `+kd`
 (`attnreg.Distillation` from the unpruned model). Perplexity of EWT test sentences; generation speed with the KV
@@ -48,7 +52,7 @@ import attnreg
 from attnreg.app.modules import CausalLM
 from attnreg.hub import is_attached
 from attnreg.methods import HardConcreteGates, Removal
-from attnreg.methods.pruning import count_parameters, head_importance, prune_heads
+from attnreg.methods.pruning import count_parameters, head_importance, prune_heads, select_groups
 
 SPARSITIES = {"quarter": 1 / 4, "third": 1 / 3}
 RECOVERIES = ["lora", "lora+kd", "full", "full+kd"]
@@ -117,7 +121,7 @@ def recover(pruned, base, kind: str, batches, args, seed: int):
 # Settings that change a figure: a run folder's results are merged only with a run of the same ones.
 RESULT_SETTINGS = ("quick", "importance", "gate_steps", "recovery", "batch", "lr", "lora_lr", "gate_lr", "rank",
                    "max_length", "eval")  # fmt: skip
-CHOICES = ["importance", "hard_concrete_lora", "random"]
+CHOICES = ["importance", "uniform", "hard_concrete_lora", "random"]
 
 
 def previous(out, args) -> dict:
@@ -184,7 +188,8 @@ def markdown(report: dict, args) -> str:
                     row.append(f"{ratios[0]:.3f} (n=1)")
                 else:
                     row.append(f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}, n={len(ratios)})")
-            rows.append(row)
+            if any(value != "-" for value in row[2:]):  # a choice this run's settings leave out has no row
+                rows.append(row)
     lines += table(["groups removed", "choice", *kinds], rows)
     unpruned = [["unpruned", *[f"{cell(report, s, 'unpruned', '', k) or float('nan'):.2f}" for k in kinds]]
                 for s in seeds]  # fmt: skip
@@ -234,6 +239,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--sparsities", nargs="+", choices=list(SPARSITIES), default=list(SPARSITIES))
     parser.add_argument("--recoveries", nargs="+", choices=RECOVERIES, default=RECOVERIES)
+    parser.add_argument("--choices", nargs="+", choices=CHOICES, default=CHOICES)
     add_output_arguments(parser, "tiny random Llama, 2 steps each, one seed")
     args = parser.parse_args()
     args.out = output_dir(args, "decoder_pruning_lora")
@@ -303,14 +309,20 @@ def main() -> None:
         save()
 
     arms = [("unpruned", "", kind) for kind in args.recoveries]
-    arms += [(sparsity, choice, kind) for sparsity in args.sparsities for choice in CHOICES for kind in args.recoveries]
+    arms += [
+        (sparsity, choice, kind)
+        for sparsity in args.sparsities
+        for choice in args.choices
+        if choice != "uniform" or removed_count[sparsity] % layers == 0
+        for kind in args.recoveries
+    ]
     for seed in args.seeds:
         todo = [arm for arm in arms if cell(report, str(seed), *arm) is None]
         print(f"seed {seed}: {len(arms) - len(todo)} arms done before, {len(todo)} to run", flush=True)
         if not todo:
             continue
         _, gate_batches, recovery_batches = schedule(seed)
-        by_group = importance_groups(seed) if any(c == "importance" for _, c, _ in todo) else None
+        by_group = importance_groups(seed) if any(c in ("importance", "uniform") for _, c, _ in todo) else None
         pruned = {}  # (sparsity, choice) -> the model that recovers, built when its first arm runs
         for sparsity, choice, kind in todo:
             if (sparsity, choice) not in pruned:
@@ -321,6 +333,11 @@ def main() -> None:
                 elif choice == "importance":
                     removed = choose_groups(by_group, "global", fraction)
                     pruned[sparsity, choice] = pruned_by_groups(base, removed, per_group)
+                elif choice == "uniform":
+                    scored = {layer: torch.tensor(values) for layer, values in by_group.items()}
+                    keep = layers * groups - removed_count[sparsity]
+                    heads = select_groups(scored, dict.fromkeys(scored, 1), keep=keep, uniform=True)
+                    pruned[sparsity, choice] = pruned_by_groups(base, heads, per_group)
                 elif choice == "random":
                     removed = random_groups(layers, groups, fraction, seed)
                     pruned[sparsity, choice] = pruned_by_groups(base, removed, per_group)

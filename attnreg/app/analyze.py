@@ -98,7 +98,7 @@ from attnreg.analysis.head_view import HeadViewRecorder
 from attnreg.app.inputs import check_model_folder, check_vocabulary
 from attnreg.app.models import clear_quantizer
 from attnreg.hub import attach
-from attnreg.methods.pruning import SPEC_FILE, load_pruned, restore_pruning
+from attnreg.structure import load_pruned, read_record, restore_record
 from attnreg.syntax.trees import ConlluError, Sentence, read_conllu
 
 SUMMARY_STATISTICS = tuple(name for name in ATTENTION_STATISTICS if not name.startswith("argmax"))  # the report table
@@ -209,9 +209,10 @@ def load_model(
 
 def load_folder(path: Path, gguf_file: str | None = None) -> PreTrainedModel:
     """The model a folder holds, as the run that wrote it had it: a transformers model (`save_pretrained`, a run's
-    `model/` or `merged_model/`), a pruned one (`save_pruned`, a run's `pruned_model/`), either with the LoRA adapter
-    saved beside it (`adapter_config.json`) merged in; an adapter folder alone (a run's `adapter/`) on the base model
-    its `adapter_config.json` names; with `gguf_file`, the model of that GGUF file in the folder (dequantized to
+    `model/` or `merged_model/`), a pruned one (a folder with a structure record, `attnreg.structure.read_record`,
+    whichever attnreg wrote it: `save_pruned`, a run's `pruned_model/`; read with `load_pruned`), either with the LoRA
+    adapter saved beside it (`adapter_config.json`) merged in; an adapter folder alone (a run's `adapter/`) on the base
+    model its `adapter_config.json` names; with `gguf_file`, the model of that GGUF file in the folder (dequantized to
     float32, quantizer flags cleared as `attnreg.app.models.clear_quantizer` clears them). A folder holding GGUF
     files but no `config.json` is refused without `gguf_file`, naming the files.
 
@@ -235,7 +236,7 @@ def load_folder(path: Path, gguf_file: str | None = None) -> PreTrainedModel:
             return _adapter_on_its_base(path)
         _check_gguf(path, None)
         raise InputError(f"{path} is a directory without config.json: not a saved transformers model")
-    model = load_pruned(path) if (path / SPEC_FILE).is_file() else AutoModel.from_pretrained(path)
+    model = load_pruned(path) if read_record(path) is not None else AutoModel.from_pretrained(path)
     if adapter:
         import peft
 
@@ -361,7 +362,7 @@ def _from_checkpoint(path: Path, base: str, trust: bool = False, gguf_file: str 
             model = AutoModelForSequenceClassification.from_config(config)
             break
     attach(model)  # gates and temperatures in the state_dict are created on load
-    restore_pruning(model, checkpoint)
+    restore_record(model, checkpoint)  # refused before anything changes where the weights disagree
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise InputError(

@@ -1,5 +1,5 @@
 """Lightning data modules for the training app: the built-in agreement task, CoLA and SST-2 from a
-local directory, and any `datasets` hub dataset.
+local directory, and any `datasets` hub dataset (`HubDataset`: what the hub's data modules share).
 
 Each module takes an optional `tokenizer` (a pretrained model's); without one it builds a word-level
 tokenizer (`attnreg.app.task.build_tokenizer`) from its own vocabulary, for randomly initialised models.
@@ -208,7 +208,8 @@ class AppDataModule(L.LightningDataModule):
     """
 
     task = "classification"
-    """The kind of task (`classification`, `causal_lm`, `chat`): what the app builds, trains and summarizes."""
+    """The name of this data's task (`classification`, `causal_lm`, `chat`): the app's task object is the one of
+    this name (`attnreg.app.tasks.task_of`), which builds, trains and summarizes the run."""
     num_labels: int | None = 2
 
     def __init__(
@@ -477,7 +478,77 @@ class LocalGlueDataModule(TextDataModule):
         return self.READERS[self.benchmark](self.data_dir, {"train": "train", "val": "dev"}[split])
 
 
-class HubDataModule(TextDataModule):
+class HubDataset:
+    """What the data modules reading a `datasets` dataset share, put ahead of the base that reads files
+    (`HubDataModule`, `attnreg.app.lm.HubLMDataModule`, `attnreg.app.lm.HubChatDataModule`): the dataset (`path`,
+    `name`, `data_files`, as `datasets.load_dataset` takes them; needs `pip install datasets`), its splits for "train"
+    and "val", each loaded with the columns the data reads checked (`load_split`), and where its rows come from
+    (`source`). The other `options` go to the base.
+
+    Example:
+        >>> class Lines(HubDataset, TextDataModule):
+        ...     pass
+        >>> data = Lines("text", data_files={"train": "a.txt", "validation": "b.txt"}, limit_train=10)   # loads later
+        >>> data.splits, data.source("val"), data.limit_train
+        ({'train': 'train', 'val': 'validation'}, 'dataset text split validation', 10)
+    """
+
+    def __init__(
+        self,
+        path: str,
+        name: str | None = None,
+        data_files: Any = None,
+        train_split: str = "train",
+        val_split: str = "validation",
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.path, self.name, self.data_files = path, name, data_files
+        self.splits = {"train": train_split, "val": val_split}
+
+    def load_split(self, split: str, columns: Mapping[str, str]) -> Any:
+        """The dataset's `split` ("train", "val"), refused when it lacks a column of `columns` (the setting that
+        names each column, e.g. {"data.text_field": "text"}), naming the setting to change.
+
+        Example:
+            >>> import tempfile
+            >>> path = Path(tempfile.mkdtemp(), "a.txt"); _ = path.write_text("a fine film\\n")
+            >>> data = HubDataModule("text", data_files={"train": str(path)}, text_field="sentence")
+            >>> data.load_split("train", {"data.text_field": "sentence"})
+            Traceback (most recent call last):
+            ...
+            KeyError: "dataset 'text' split 'train' has no column 'sentence'; its columns are ['text'] (set data...)"
+        """
+        try:
+            import datasets
+        except ImportError as error:
+            raise ImportError("data=hf_dataset needs the datasets library: pip install datasets") from error
+        path, name, named = self.path, self.name, self.splits[split]
+        try:
+            dataset = datasets.load_dataset(path, name, data_files=self.data_files, split=named)
+        except FileNotFoundError:
+            raise  # a local file that is not there: its own message, not a download's
+        except (ConnectionError, OSError) as error:
+            raise OSError(
+                f"could not load dataset {path!r} (name={name!r}, split={named!r}) offline: it needs a download from "
+                "the Hugging Face Hub. Download it where there is network, or point data.path at a local builder and "
+                "files (data.path=csv data.data_files={train: train.csv, validation: dev.csv})"
+            ) from error
+        missing = [column for column in columns.values() if column not in dataset.column_names]
+        if missing:
+            absent = repr(missing[0]) if len(columns) == 1 else str(missing)
+            raise KeyError(
+                f"dataset {path!r} split {named!r} has no column {absent}; its columns are {dataset.column_names} "
+                f"(set {' / '.join(columns)})"
+            )
+        return dataset
+
+    def source(self, split: str) -> str:
+        """Where `split`'s rows come from, for errors (a row: this and "row <number>")."""
+        return f"dataset {self.path} split {self.splits[split]}"
+
+
+class HubDataModule(HubDataset, TextDataModule):
     """Any text-classification dataset that `datasets.load_dataset(path, name)` loads (a hub name, or a
     builder such as "csv" with `data_files` for local files). Needs `pip install datasets`.
 
@@ -500,42 +571,17 @@ class HubDataModule(TextDataModule):
         num_labels: int = 2,
         **options: Any,
     ) -> None:
-        super().__init__(**options)
-        self.path, self.name, self.data_files = path, name, data_files
+        super().__init__(path, name, data_files, train_split, val_split, **options)
         self.fields = (text_field, label_field)
-        self.splits = {"train": train_split, "val": val_split}
         self.num_labels = num_labels
         self._loaded: dict[str, tuple[list[str], list[int]]] = {}
 
     def read(self, split: str) -> tuple[list[str], list[int]]:
         if split not in self._loaded:
-            dataset = _load_hub_dataset(self.path, self.name, self.data_files, self.splits[split])
-            missing = [field for field in self.fields if field not in dataset.column_names]
-            if missing:
-                raise KeyError(
-                    f"dataset {self.path!r} split {self.splits[split]!r} has no column {missing}; its columns are "
-                    f"{dataset.column_names} (set data.text_field / data.label_field)"
-                )
             text_field, label_field = self.fields
+            dataset = self.load_split(split, {"data.text_field": text_field, "data.label_field": label_field})
             self._loaded[split] = (list(dataset[text_field]), [int(label) for label in dataset[label_field]])
         return self._loaded[split]
-
-
-def _load_hub_dataset(path: str, name: str | None, data_files: Any, split: str) -> Any:
-    try:
-        import datasets
-    except ImportError as error:
-        raise ImportError("data=hf_dataset needs the datasets library: pip install datasets") from error
-    try:
-        return datasets.load_dataset(path, name, data_files=data_files, split=split)
-    except FileNotFoundError:
-        raise  # a local file that is not there: its own message, not a download's
-    except (ConnectionError, OSError) as error:
-        raise OSError(
-            f"could not load dataset {path!r} (name={name!r}, split={split!r}) offline: it needs a download from the "
-            "Hugging Face Hub. Download it where there is network, or point data.path at a local builder and files "
-            "(data.path=csv data.data_files={train: train.csv, validation: dev.csv})"
-        ) from error
 
 
 _WORDS = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from attnreg.app.datamodules import AppDataModule, _load_hub_dataset, frequent_words
+from attnreg.app.datamodules import AppDataModule, HubDataset, frequent_words
 from attnreg.app.task import build_tokenizer, generate, vocabulary
 from attnreg.syntax.align import word_spans
 from attnreg.syntax.data import SyntaxCollator
@@ -289,7 +289,7 @@ class LMDataModule(DecoderDataModule):
         return f"data.{split}={self.files[split]}"
 
 
-class HubLMDataModule(LMDataModule):
+class HubLMDataModule(HubDataset, LMDataModule):
     """Causal LM on a `datasets` dataset's `text_field` (a hub name, or a builder such as "text" or "json" with
     `data_files`); parsed with spaCy when `with_prior`.
 
@@ -309,29 +309,19 @@ class HubLMDataModule(LMDataModule):
         val_split: str = "validation",
         **options: Any,
     ) -> None:
-        super().__init__(train="", val="", **options)
-        self.path, self.name, self.data_files, self.text_field = path, name, data_files, text_field
-        self.splits = {"train": train_split, "val": val_split}
+        super().__init__(path, name, data_files, train_split, val_split, train="", val="", **options)
+        self.text_field = text_field
 
     def read(self, split: str) -> list[dict[str, str]]:
-        dataset = _load_hub_dataset(self.path, self.name, self.data_files, self.splits[split])
-        if self.text_field not in dataset.column_names:
-            raise KeyError(
-                f"dataset {self.path!r} split {self.splits[split]!r} has no column {self.text_field!r}; its columns "
-                f"are {dataset.column_names} (set data.text_field)"
-            )
+        dataset = self.load_split(split, {"data.text_field": self.text_field})
         least = max(self.min_words[split], 1)
         numbered = [(number, text.strip()) for number, text in enumerate(dataset[self.text_field], start=1)]
         numbered = [(number, text) for number, text in numbered if len(text.split()) >= least]
         rows = [{"text": text} for _, text in numbered]
-        where = f"dataset {self.path} split {self.splits[split]} row"
-        self.wheres[split] = [f"{where} {number}" for number, _ in numbered]
+        self.wheres[split] = [f"{self.source(split)} row {number}" for number, _ in numbered]
         if not rows:
             raise ValueError(f"dataset {self.path!r} split {self.splits[split]!r}: no text")
         return rows
-
-    def source(self, split: str) -> str:
-        return f"dataset {self.path} split {self.splits[split]}"
 
 
 class AgreementLMDataModule(DecoderDataModule):
@@ -693,7 +683,7 @@ class ChatDataModule(DecoderDataModule):
         return sentences or None
 
 
-class HubChatDataModule(ChatDataModule):
+class HubChatDataModule(HubDataset, ChatDataModule):
     """Chat SFT on a `datasets` dataset whose `messages_field` holds each row's messages (a hub name, or the "json"
     builder with `data_files`); rows are checked as `ChatDataModule`'s, named by split and row number.
 
@@ -718,22 +708,12 @@ class HubChatDataModule(ChatDataModule):
         val_split: str = "validation",
         **options: Any,
     ) -> None:
-        super().__init__(train="", val="", **options)
-        self.path, self.name, self.data_files, self.messages_field = path, name, data_files, messages_field
-        self.splits = {"train": train_split, "val": val_split}
+        super().__init__(path, name, data_files, train_split, val_split, train="", val="", **options)
+        self.messages_field = messages_field
 
     def read_rows(self, split: str) -> list[tuple[str, Any]]:
-        dataset = _load_hub_dataset(self.path, self.name, self.data_files, self.splits[split])
-        if self.messages_field not in dataset.column_names:
-            raise KeyError(
-                f"dataset {self.path!r} split {self.splits[split]!r} has no column {self.messages_field!r}; its "
-                f"columns are {dataset.column_names} (set data.messages_field)"
-            )
-        where = f"dataset {self.path} split {self.splits[split]} row"
-        return [(f"{where} {number}", row) for number, row in enumerate(dataset, start=1)]
-
-    def source(self, split: str) -> str:
-        return f"dataset {self.path} split {self.splits[split]}"
+        dataset = self.load_split(split, {"data.messages_field": self.messages_field})
+        return [(f"{self.source(split)} row {number}", row) for number, row in enumerate(dataset, start=1)]
 
 
 def _text(example: Any) -> str:

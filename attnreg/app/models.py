@@ -36,6 +36,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from attnreg.app.inputs import check_model_folder
+from attnreg.compat import clear_quantizer
 from attnreg.families import FAMILIES
 from attnreg.tiny import tiny_config, tiny_model
 
@@ -358,41 +359,6 @@ def check_causal_lm_folder(name_or_path: str) -> None:
     if not (path / "config.json").is_file():
         return
     check_decoder(AutoConfig.from_pretrained(str(path)), f"model.name_or_path={name_or_path}")
-
-
-def clear_quantizer(model: PreTrainedModel) -> PreTrainedModel:
-    """Drop the quantizer flags a dequantized GGUF model keeps (`hf_quantizer`, `is_quantized`,
-    `config.quantization_config`, `quantization_method`), as transformers' own `remove_quantization_config` does,
-    so that the HF `Trainer` trains it and `save_pretrained` saves it as the float model it is. Refuses a model
-    whose weights are still packed (a quantized module remains: it must stay quantized, use LoRA).
-
-    Example:
-        >>> from transformers import GgufConfig
-        >>> from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
-        >>> model = tiny_model("llama", head="causal_lm")
-        >>> model.hf_quantizer = GgufHfQuantizer(GgufConfig(dequantize=True))     # what a GGUF load leaves
-        >>> model.is_quantized, model.config.quantization_config = True, model.hf_quantizer.quantization_config
-        >>> model = clear_quantizer(model)
-        >>> hasattr(model, "hf_quantizer"), model.is_quantized, hasattr(model.config, "quantization_config")
-        (False, False, False)
-    """
-    packed = [name for name, module in model.named_modules() if type(module).__name__.startswith(("Gguf", "GGUF"))]
-    if packed:
-        raise ValueError(
-            f"the model's weights are still quantized ({packed[0]} is a "
-            f"{type(model.get_submodule(packed[0])).__name__}): load it with "
-            "quantization_config=GgufConfig(dequantize=True) to fine-tune all weights"
-        )
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
-        quantizer.remove_quantization_config(model)
-    for name in ("hf_quantizer", "quantization_method"):
-        if hasattr(model, name):
-            delattr(model, name)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
-    return model
 
 
 def add_lora(

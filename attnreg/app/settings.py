@@ -25,8 +25,7 @@ from attnreg import deprecations
 from attnreg.callbacks import MethodCallback
 from attnreg.families import detect_family
 from attnreg.heads import head_numbers
-from attnreg.methods import HeadGating, Method
-from attnreg.methods.pruning.importance import ImportanceRemoval
+from attnreg.methods import Method, entry_of
 from attnreg.syntax import SyntaxCollator, check_priors, describe_counts
 from attnreg.unwrap import transformers_model
 
@@ -112,20 +111,34 @@ def instantiate_callbacks(cfg: DictConfig) -> dict[str, L.Callback]:
 
 
 def removes_heads(callbacks: Iterable[L.Callback]) -> bool:
-    """Whether a callback removes heads (head gating, importance removal): the run then keeps a copy of the model
-    before training, for generation speed against it, and saves the pruned model.
+    """Whether a callback's method removes heads (its entry's `removes_heads`: head gating, importance removal): the
+    run then keeps a copy of the model before training, for generation speed against it, and saves the pruned model.
 
     Example:
         >>> import attnreg
         >>> removes_heads([attnreg.HeadGating()]), removes_heads([attnreg.EntropyRegularizer()])
         (True, False)
     """
-    return any(isinstance(settings_of(callback), HeadGating | ImportanceRemoval) for callback in callbacks)
+    return any(flag(callback, "removes_heads") for callback in callbacks)
+
+
+def flag(callback: L.Callback, name: str) -> bool:
+    """A flag of the built-in method a callback runs (`attnreg.methods.MethodEntry`); False for any other callback.
+
+    Example:
+        >>> import attnreg
+        >>> gating, yours = attnreg.HeadGating(), attnreg.MethodCallback(attnreg.methods.Method())
+        >>> flag(gating, "gates_heads"), flag(yours, "gates_heads"), flag(L.Callback(), "removes_heads")
+        (True, False, False)
+    """
+    entry = entry_of(settings_of(callback))
+    return entry is not None and getattr(entry, name)
 
 
 def protect_supervised(callbacks: Iterable[L.Callback], model: nn.Module) -> dict[int, list[int]]:
     """Add the heads a syntax prior supervises (`supervised_heads`; all layers or heads where it names none) to the
-    `protect` of every `HeadGating`, so that gating never removes or silences them; returns {layer: heads} added.
+    `removal.protect` of every method that gates heads (its entry's `gates_heads`: `HeadGating`), so that gating never
+    removes or silences them; returns {layer: heads} added.
     The app calls it unless the config sets `protect_supervised: false`.
 
     Example:
@@ -145,9 +158,9 @@ def protect_supervised(callbacks: Iterable[L.Callback], model: nn.Module) -> dic
         for layer, heads in supervised_heads(callbacks, layers).items()
     }
     for callback in callbacks:
-        method = settings_of(callback)
-        if not isinstance(method, HeadGating) or not supervised:
+        if not flag(callback, "gates_heads") or not supervised:
             continue
+        method = settings_of(callback)
         gated = set(layers if method.layers_argument is None else _as_list(method.layers_argument))
         protect = {layer: list(heads) for layer, heads in (method.removal.protect or {}).items()}
         for layer, heads in supervised.items():

@@ -1,8 +1,9 @@
 """The run's summary: the line `attnreg-train` logs before fitting (what is on) and the summary after it
 (accuracy, parent accuracy of the supervised and best heads, entropy per layer, the prior's coverage, pruning),
-as a dict for `summary.json` and as the text the app prints. A decoder task's summary (`summarize_decoder`) has
-validation perplexity, parent accuracy over the words whose parent is to their left beside the best left-offset
-baseline, greedy continuations, and for a pruned model its size and generation speed against the unpruned one.
+as a dict for `summary.json` and as the text the app prints. What is shared is here; what differs by task comes from
+the run's task (`attnreg.app.tasks`): a decoder task's summary has validation perplexity, parent accuracy over the
+words whose parent is to their left beside the best left-offset baseline, greedy continuations, and for a pruned
+model its size and generation speed against the unpruned one.
 
 Example:
     >>> summary = {"accuracy": {"val": 0.75}, "metrics": {"val/loss": 0.5}}
@@ -21,9 +22,10 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
-from attnreg.app.decoder_evaluation import decoder_head_report, generation_speed, greedy_continuations, perplexity
-from attnreg.app.evaluation import accuracy, head_report, layer_entropy, pruning_report
+from attnreg.app.decoder_evaluation import generation_speed
+from attnreg.app.evaluation import layer_entropy, pruning_report
 from attnreg.app.settings import attnreg_settings, supervised_heads
+from attnreg.app.tasks import Task, task_of_summary
 from attnreg.hub import detach, is_attached
 from attnreg.methods.pruning import count_parameters
 from attnreg.unwrap import transformers_model
@@ -100,59 +102,9 @@ def _short_name(target: str) -> str:
 
 
 def summarize(
+    task: Task,
     cfg: DictConfig,
-    model: PreTrainedModel,
-    data: Any,
-    callbacks: Mapping[str, L.Callback],
-    trainer: L.Trainer,
-    seconds: float,
-    choices: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The run summary: settings, accuracy per held-out set, parent accuracy, entropy per layer.
-
-    The example summarizes a model not trained yet.
-
-    Example:
-        >>> import attnreg
-        >>> from attnreg.app.datamodules import AgreementDataModule
-        >>> from attnreg.app.models import tiny_classifier
-        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2); data.setup("fit")
-        >>> model = tiny_classifier(data.tokenizer, num_labels=2)
-        >>> callbacks = {"kl": attnreg.SyntaxPriorKL(layers=[0], heads=[1])}           # supervises head 1 of layer 0
-        >>> cfg, choices = OmegaConf.create({"seed": 0}), {"model": "tiny_bert", "hydra/launcher": "basic"}
-        >>> summary = summarize(cfg, model, data, callbacks, L.Trainer(logger=False), 1.23, choices)
-        >>> summary["choices"], summary["attnreg"], summary["steps"], summary["train_seconds"], summary["pruning"]
-        ({'model': 'tiny_bert'}, {'kl': 'SyntaxPriorKL'}, 0, 1.2, None)
-        >>> sorted(summary["accuracy"]), len(summary["entropy"]), list(summary["parent_accuracy"]["supervised"])
-        (['hard', 'test', 'val'], 2, ['L0H1'])
-    """
-    if data.task != "classification":
-        return summarize_decoder(cfg, model, data, callbacks, trainer, seconds, choices)
-    eval_sets = data.eval_sets()
-    summary: dict[str, Any] = {
-        "choices": {key: value for key, value in choices.items() if not key.startswith("hydra")},
-        "seed": cfg.seed,
-        "attnreg": {name: type(callback).__name__ for name, callback in callbacks.items()},
-        "steps": trainer.global_step,
-        "epochs": trainer.current_epoch,
-        "train_seconds": round(seconds, 1),
-        "accuracy": {name: round(accuracy(model, loader), 4) for name, loader in eval_sets.items()},
-        "metrics": {key: round(float(value), 4) for key, value in trainer.callback_metrics.items()},
-        "entropy": [None if value is None else round(value, 4) for value in layer_entropy(model, eval_sets["val"])],
-        "parent_accuracy": None,
-        "pruning": pruning_report(model),
-        "prior_arcs": prior_arcs(data),
-    }
-    sentences = data.tree_sentences()
-    if sentences:
-        supervised = supervised_heads(callbacks.values())
-        summary["parent_accuracy"] = head_report(model, data.tokenizer, sentences, supervised, data.max_length)
-    return summary
-
-
-def summarize_decoder(
-    cfg: DictConfig,
-    model: PreTrainedModel,
+    model: Any,
     data: Any,
     callbacks: Mapping[str, L.Callback],
     trainer: L.Trainer,
@@ -160,55 +112,64 @@ def summarize_decoder(
     choices: Mapping[str, Any],
     unpruned: PreTrainedModel | None = None,
 ) -> dict[str, Any]:
-    """The summary of a causal-LM or chat run: validation perplexity, entropy per layer, parent accuracy of the
-    supervised heads over left parents (with the best left offset and the share of such words), greedy
-    continuations of the data's prompts, the prior's coverage, and the heads removed with the parameter count and
-    generation tokens/s against `unpruned` (the model before training) when there is one: both of the model as it
-    would be served, a LoRA adapter merged into a copy (`served`).
+    """The run summary: settings, the `task`'s numbers (`Task.scores`: accuracy per held-out set, or validation
+    perplexity), entropy per layer, the parent accuracy of the supervised heads and the best one, what the model
+    writes (`Task.generations`), the prior's coverage, and the heads removed, with the parameter count and generation
+    tokens/s against `unpruned` (the model before training) when there is one: both of the model as it would be served,
+    a LoRA adapter merged into a copy (`served`). `model` may be a PEFT model: its base is evaluated, adapters in place.
 
-    The example summarizes a tiny decoder not trained yet.
+    The example summarizes a model not trained yet.
 
     Example:
         >>> import attnreg
+        >>> from attnreg.app.datamodules import AgreementDataModule
+        >>> from attnreg.app.models import tiny_classifier
+        >>> from attnreg.app.tasks import CLASSIFICATION
+        >>> data = AgreementDataModule(train=8, val=4, test=4, hard=2); data.setup("fit")
+        >>> model = tiny_classifier(data.tokenizer, num_labels=2)
+        >>> callbacks = {"kl": attnreg.SyntaxPriorKL(layers=[0], heads=[1])}           # supervises head 1 of layer 0
+        >>> cfg, choices = OmegaConf.create({"seed": 0}), {"model": "tiny_bert", "hydra/launcher": "basic"}
+        >>> summary = summarize(CLASSIFICATION, cfg, model, data, callbacks, L.Trainer(logger=False), 1.23, choices)
+        >>> summary["choices"], summary["attnreg"], summary["steps"], summary["train_seconds"], summary["pruning"]
+        ({'model': 'tiny_bert'}, {'kl': 'SyntaxPriorKL'}, 0, 1.2, None)
+        >>> sorted(summary["accuracy"]), len(summary["entropy"]), list(summary["parent_accuracy"]["supervised"])
+        (['hard', 'test', 'val'], 2, ['L0H1'])
+
+    A causal LM's:
+
         >>> from attnreg.app.lm import AgreementLMDataModule
         >>> from attnreg.app.models import tiny_causal_lm
+        >>> from attnreg.app.tasks import LANGUAGE_MODEL
         >>> data = AgreementLMDataModule(train=8, val=8); data.setup("fit")
         >>> callbacks = {"kl": attnreg.SyntaxPriorKL(layers=[1], heads=[0])}
         >>> cfg = OmegaConf.create({"seed": 0, "generate_tokens": 4})
-        >>> summary = summarize_decoder(cfg, tiny_causal_lm(data.tokenizer), data, callbacks, L.Trainer(logger=False),
-        ...                             1.0, {"model": "tiny_llama_lm"})
+        >>> summary = summarize(LANGUAGE_MODEL, cfg, tiny_causal_lm(data.tokenizer), data, callbacks,
+        ...                     L.Trainer(logger=False), 1.0, {"model": "tiny_llama_lm"})
         >>> summary["task"], sorted(summary["perplexity"]), list(summary["parent_accuracy"]["supervised"])
         ('causal_lm', ['val'], ['L1H0'])
         >>> list(summary["continuations"]) == data.prompts, summary["pruning"]
         (True, None)
     """
     given, model = model, transformers_model(model)  # a PEFT model's base, its adapters in place
-    val = data.loader("val")
-    scores = perplexity(model, val)
     summary: dict[str, Any] = {
         "choices": {key: value for key, value in choices.items() if not key.startswith("hydra")},
         "seed": cfg.seed,
-        "task": data.task,
+        **({"task": task.name} if task.named_in_summary else {}),
         "attnreg": {name: type(callback).__name__ for name, callback in callbacks.items()},
         "steps": trainer.global_step,
         "epochs": trainer.current_epoch,
         "train_seconds": round(seconds, 1),
-        "perplexity": {"val": scores["perplexity"]},
-        "loss": {"val": scores["loss"]},
-        "predicted_tokens": {"val": scores["tokens"]},
+        **task.scores(model, data),
         "metrics": {key: round(float(value), 4) for key, value in trainer.callback_metrics.items()},
-        "entropy": [None if value is None else round(value, 4) for value in layer_entropy(model, val)],
+        "entropy": [None if value is None else round(value, 4) for value in layer_entropy(model, data.loader("val"))],
         "parent_accuracy": None,
-        "continuations": greedy_continuations(
-            model, data.tokenizer, data.prompts, cfg.get("generate_tokens", 16), chat=data.task == "chat"
-        ),
+        **task.generations(model, data, cfg),
         "pruning": pruning_report(model),
         "prior_arcs": prior_arcs(data),
     }
     sentences = data.tree_sentences()
     if sentences:
-        supervised = supervised_heads(callbacks.values())
-        summary["parent_accuracy"] = decoder_head_report(model, data.tokenizer, sentences, supervised, data.max_length)
+        summary["parent_accuracy"] = task.parent_accuracy(model, data, sentences, supervised_heads(callbacks.values()))
     if summary["pruning"] and unpruned is not None:
         pruned = served(given)
         summary["pruning"]["parameters"] = count_parameters(pruned)
@@ -257,7 +218,8 @@ def prior_arcs(data: Any) -> dict[str, int] | None:
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
-    """The summary as a few lines of text (what `attnreg-train` prints at the end).
+    """The summary as a few lines of text (what `attnreg-train` prints at the end): the run, its callbacks, the lines
+    of its task (`attnreg.app.tasks.Task.summary_lines`), the models saved and the output folder.
 
     Example:
         >>> summary = {"seed": 0, "steps": 40, "train_seconds": 3.2, "attnreg": {"kl": "SyntaxPriorKL"},
@@ -270,157 +232,46 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         attention entropy per layer (normalized): 0.610, 0.420
         heads pruned: layer 1: [0, 3] (heads left per layer [4, 2], saved to outputs/run/pruned_model)
         outputs: outputs/run
-    """
-    if summary.get("task") in ("causal_lm", "chat"):
-        return format_decoder_summary(summary)
-    choices = summary.get("choices", {})
-    setting = f"{choices.get('model', 'model')} on {choices.get('data', 'data')}" if choices else "run"
-    lines = [
-        f"attnreg-train: {setting}, seed {summary['seed']}, {summary['steps']} steps in {summary['train_seconds']} s",
-        "callbacks: " + (", ".join(f"{n} ({t})" for n, t in summary["attnreg"].items()) or "none"),
-        "accuracy: " + ", ".join(f"{name} {value:.3f}" for name, value in summary["accuracy"].items()),
-        "attention entropy per layer (normalized): " + ", ".join(_fraction(value) for value in summary["entropy"]),
-    ]
-    if "hard" in summary["accuracy"]:
-        lines[2] += "  (test: 0-1 distractor verbs as in training; hard: 2)"
-    heads = summary.get("parent_accuracy")
-    if heads:
-        supervised = _supervised(heads, summary.get("pruning"))
-        if "right_branching" in heads:
-            baseline = f"right-branching {heads['right_branching']:.3f}"
-        else:  # a decoder: accuracy over the parents to the left, the only ones a causal head can attend to
-            baseline = (
-                f"left-branching {heads['left_branching']:.3f} (a decoder: over the {heads['reachable_share']:.1%} "
-                "of words whose parent is to their left)"
-            )
-        lines.append(
-            f"parent accuracy on {heads['sentences']} held-out sentences: supervised {supervised}; "
-            f"best head {heads['best_head']} {_fraction(heads['best'])}; {baseline}"
-        )
-    arcs = summary.get("prior_arcs")
-    if arcs and arcs["arcs"]:
-        lines.append(
-            f"syntax prior: {arcs['arcs']} arcs in {arcs['sentences']} sentences, {arcs['arcs_dropped']} without a "
-            f"prior ({arcs['arcs_dropped'] / arcs['arcs']:.1%}: truncated, or sharing a token)"
-        )
-    if arcs and arcs.get("causal_rows"):
-        dropped, rows = arcs["causal_rows_dropped"], arcs["causal_rows"]
-        lines.append(
-            f"causal restriction: {dropped} of {rows} prior rows left out ({dropped / rows:.1%}: the parent is to "
-            "the right, which a decoder cannot attend to)"
-        )
-    pruning = summary.get("pruning")
-    if pruning:
-        removed = "; ".join(f"layer {layer}: {heads}" for layer, heads in pruning["removed"].items()) or "none removed"
-        lines.append(
-            f"heads pruned: {removed}{_silenced(pruning)} (heads left per layer {pruning['heads_left']}, saved to "
-            f"{pruning.get('saved')})"
-        )
-    else:
-        lines.append("heads pruned: none")
-    lines += _saved_models(summary)
-    lines.append(f"outputs: {summary.get('output_dir')}")
-    return "\n".join(lines)
 
+    A causal LM's:
 
-def format_decoder_summary(summary: Mapping[str, Any]) -> str:
-    """A decoder run's summary as text (see `summarize_decoder`).
-
-    Example:
         >>> summary = {"seed": 0, "steps": 40, "train_seconds": 3.2, "attnreg": {}, "task": "causal_lm",
         ...            "perplexity": {"val": 12.5}, "continuations": {"the dog": "sees a cat"}, "output_dir": "run",
         ...            "parent_accuracy": {"sentences": 8, "supervised": {"L1H0": 0.5}, "best_head": "L0H2",
         ...                                "best": 0.6, "best_offset": -1, "best_offset_accuracy": 0.4,
         ...                                "left_parent_share": 0.45},
-        ...            "pruning": {"removed": {"1": [0, 1]}, "heads_left": [4, 2], "parameters": 900,
-        ...                        "generation": {"pruned": {"tokens_per_second": 120.0, "parameters": 900},
-        ...                                       "unpruned": {"tokens_per_second": 100.0, "parameters": 1000}},
-        ...                        "speedup": 1.2}}
-        >>> print(format_decoder_summary(summary))
+        ...            "pruning": {"removed": {"1": [0, 1]}, "heads_left": [4, 2], "parameters": 900}}
+        >>> print(format_summary(summary))
         attnreg-train: causal_lm run, seed 0, 40 steps in 3.2 s
         callbacks: none
         validation perplexity: 12.50
         parent accuracy over the 45.0% of words whose parent is to their left (8 held-out sentences): supervised ...
-        heads pruned: 2 (layer 1: [0, 1]); 900 parameters against 1000; generation 120.0 tokens/s against 100.0 ...
+        heads pruned: 2 (layer 1: [0, 1]); 900 parameters
         greedy: 'the dog' -> 'sees a cat'
         outputs: run
     """
     choices = summary.get("choices", {})
     setting = f"{choices.get('model', 'model')} on {choices.get('data', 'data')}" if choices else "run"
-    lines = [
-        f"attnreg-train: {summary['task']} {setting}, seed {summary['seed']}, {summary['steps']} steps in "
-        f"{summary['train_seconds']} s",
-        "callbacks: " + (", ".join(f"{n} ({t})" for n, t in summary["attnreg"].items()) or "none"),
-        f"validation perplexity: {summary['perplexity']['val']:.2f}",
-    ]
-    heads = summary.get("parent_accuracy")
-    if heads:
-        supervised = _supervised(heads, summary.get("pruning"))
-        lines.append(
-            f"parent accuracy over the {heads['left_parent_share']:.1%} of words whose parent is to their left "
-            f"({heads['sentences']} held-out sentences): supervised {supervised}; best head {heads['best_head']} "
-            f"{_fraction(heads['best'])}; best left offset ({heads['best_offset']}) {heads['best_offset_accuracy']:.3f}"
-        )
-    arcs = summary.get("prior_arcs")
-    if arcs and arcs.get("causal_rows"):
-        dropped, rows = arcs["causal_rows_dropped"], arcs["causal_rows"]
-        lines.append(f"syntax prior: {rows - dropped} of {rows} prior rows used (the others' parent is to the right)")
-    pruning = summary.get("pruning")
-    if pruning:
-        count = sum(len(heads) for heads in pruning["removed"].values())
-        removed = "; ".join(f"layer {layer}: {heads}" for layer, heads in pruning["removed"].items())
-        line = f"heads pruned: {count} ({removed}){_silenced(pruning)}; {pruning['parameters']} parameters"
-        speed = pruning.get("generation")
-        if speed:
-            line += (
-                f" against {speed['unpruned']['parameters']}; generation {speed['pruned']['tokens_per_second']} "
-                f"tokens/s against {speed['unpruned']['tokens_per_second']} unpruned ({pruning['speedup']:.2f}x)"
-            )
-        lines.append(line)
-        control = pruning.get("control")
-        if control:
-            lines.append(
-                f"unpruned control, recovered the same way ({control['steps']} steps): validation perplexity "
-                f"{control['perplexity']:.2f}; the pruned model's is {control['ratio']:.3f}x it"
-            )
-    else:
-        lines.append("heads pruned: none")
-    for prompt, continuation in (summary.get("continuations") or {}).items():
-        lines.append(f"greedy: {prompt!r} -> {continuation!r}")
-    lines += _saved_models(summary)
-    lines.append(f"outputs: {summary.get('output_dir')}")
-    return "\n".join(lines)
-
-
-def _silenced(pruning: Mapping[str, Any]) -> str:
-    """The silenced heads (grouped-query attention keeps them in place, adding nothing), for the pruning line."""
-    silenced = "; ".join(f"layer {layer}: {heads}" for layer, heads in (pruning.get("silenced") or {}).items())
-    return f"; silenced (in place, adding nothing): {silenced}" if silenced else ""
-
-
-def _supervised(heads: Mapping[str, Any], pruning: Mapping[str, Any] | None) -> str:
-    """The supervised heads' parent accuracy, a head that was removed or silenced named so."""
-    silenced = {
-        f"L{layer}H{head}" for layer, numbers in ((pruning or {}).get("silenced") or {}).items() for head in numbers
-    }
-    values = [
-        f"{name} {'silenced' if value is None and name in silenced else _fraction(value)}"
-        for name, value in heads["supervised"].items()
-    ]
-    return ", ".join(values) or "none"
+    task_name = f"{summary['task']} " if "task" in summary else ""
+    return "\n".join(
+        [
+            f"attnreg-train: {task_name}{setting}, seed {summary['seed']}, {summary['steps']} steps in "
+            f"{summary['train_seconds']} s",
+            "callbacks: " + (", ".join(f"{n} ({t})" for n, t in summary["attnreg"].items()) or "none"),
+            *task_of_summary(summary).summary_lines(summary),
+            *_saved_models(summary),
+            f"outputs: {summary.get('output_dir')}",
+        ]
+    )
 
 
 def _saved_models(summary: Mapping[str, Any]) -> list[str]:
-    """A line per model folder the run wrote (`adapter`, `merged_model`, `model`)."""
+    """A line per model folder the run wrote (`adapter`, `merged_model`, `model`) and per export (`export=`)."""
     return [
         f"{name.replace('_', ' ')}: {summary[name]}"
         for name in ("adapter", "merged_model", "model")
         if summary.get(name)
-    ]
-
-
-def _fraction(value: float | None) -> str:
-    return "removed" if value is None else f"{value:.3f}"
+    ] + [f"export {name}: {path}" for name, path in (summary.get("exports") or {}).items()]
 
 
 def metric(summary: Mapping[str, Any], path: str) -> float:

@@ -18,9 +18,11 @@ through a LoRA adapter (`peft=lora`); the summary then has perplexity, parent ac
 continuations and, for a pruned model, its generation speed (`attnreg.app.decoder_evaluation`). A run resumes from a
 checkpoint with `ckpt_path=<run dir>/checkpoints/last.ckpt`.
 
-The model configs name the factories of `attnreg.app.models`; the summary's numbers come from
-`attnreg.app.evaluation`. A callback says what it needs from the data with a class attribute `needs`
-(see `NEEDS`): the syntax prior in the batches, held-out gold trees, the tokenizer. For instance:
+The model configs name the factories of `attnreg.app.models`. The data config chooses the run's task
+(`attnreg.app.tasks`: classification, causal LM or chat), which builds the data, the model and the LightningModule and
+gives the summary's numbers (from `attnreg.app.evaluation` or `attnreg.app.decoder_evaluation`). A callback says
+what it needs from the data with a class attribute `needs` (see `NEEDS`): the syntax prior in the batches, held-out
+gold trees, the tokenizer. For instance:
 
     $ attnreg-train                                       # the default run (about 30 s on 2 cores)
     $ attnreg-train attnreg=none                          # the same without the prior
@@ -76,8 +78,9 @@ from transformers import PreTrainedModel
 
 from attnreg.app.configs import register_resolvers
 from attnreg.app.decoder_evaluation import perplexity
+from attnreg.app.exports import check_exports, export_formats, write_exports
 from attnreg.app.failed_jobs import failed_jobs_reported
-from attnreg.app.models import add_lora, decoder_family, load_tokenizer
+from attnreg.app.models import load_tokenizer
 from attnreg.app.modules import CausalLM
 from attnreg.app.settings import (
     instantiate_callbacks,
@@ -87,7 +90,9 @@ from attnreg.app.settings import (
     removes_heads,
     warn_renamed,
 )
-from attnreg.app.summary import describe_run, format_summary, metric, summarize, summarize_decoder
+from attnreg.app.summary import describe_run, format_summary, metric, summarize
+from attnreg.app.tasks import Task, task_of
+from attnreg.export import ExportError
 from attnreg.families import detect_family
 from attnreg.hub import detach, is_attached
 from attnreg.methods.pruning import gate_parameters, pruned_heads, save_pruned, silenced_heads
@@ -136,35 +141,28 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         torch.set_num_threads(cfg.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
+    formats = export_formats(cfg)
     callbacks = instantiate_callbacks(cfg)
     needs = frozenset().union(*(needs_of(callback) for callback in callbacks.values()))
     tokenizer = (
         load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
     )
-    data = instantiate(cfg.data, tokenizer=tokenizer, with_prior="prior" in needs)
-    task = data.task
+    task = task_of(cfg)
+    data = task.data(cfg, tokenizer, with_prior="prior" in needs)
     data.setup("fit")  # every row checked before the model loads (decoder data; idempotent for all)
-    if task != "classification" and cfg.model._target_.endswith("_classifier"):
-        raise ValueError(
-            f"data is a {task} task but the model config builds a sequence classifier ({cfg.model._target_}): choose "
-            "model=tiny_llama_lm, model=decoder model.name_or_path=DIR or model=smollm2 (it is not a causal LM)"
-        )
-    model = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels)
-    check_task(task, model, cfg)
-    decoder = task != "classification"
+    model = task.model(cfg, data)
+    check_exports(formats, model)
     pruning = removes_heads(callbacks.values())
     if pruning and cfg.get("protect_supervised", True):
         protect_supervised(callbacks.values(), model)
     # the model as built: generation speed against it, and the teacher of a `teacher: base` setting
-    base = copy.deepcopy(model).eval() if (decoder and pruning) or "base_model" in needs else None
-    unpruned = base if decoder and pruning else None
+    base = copy.deepcopy(model).eval() if (task.generates and pruning) or "base_model" in needs else None
+    unpruned = base if task.generates and pruning else None
     if cfg.get("peft"):
-        options = {k: v for k, v in cfg.peft.items() if k != "merge"}
-        task_type = "CAUSAL_LM" if decoder else "SEQ_CLS"  # SEQ_CLS: the new classification head trains too
-        model = add_lora(model, **options, seed=cfg.seed, task_type=task_type)
+        model = task.add_lora(model, cfg)
     count_causal_rows(data, model)
     provide(callbacks.values(), data, base)
-    module = instantiate(cfg.module, model=model)
+    module = task.module(cfg, model)
     checkpoints = [
         instantiate(cfg[key], dirpath=str(output_dir / "checkpoints")) for key in CHECKPOINTS if cfg.get(key)
     ]
@@ -179,15 +177,12 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
     started = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=cfg.get("ckpt_path"))
     seconds = time.perf_counter() - started
-    control = recover_unpruned(cfg, base, data) if decoder and pruning and cfg.get("control") else None
+    control = recover_unpruned(cfg, task, unpruned, data) if unpruned is not None and cfg.get("control") else None
     if trainer.world_size > 1:  # each process logs its pruning to its own Hydra job log, to compare across ranks
         log.info("rank %d: heads pruned %s", trainer.global_rank, pruned_heads(module.model))
     if not trainer.is_global_zero:
         return None
-    if decoder:
-        summary = summarize_decoder(cfg, module.model, data, callbacks, trainer, seconds, choices or {}, unpruned)
-    else:
-        summary = summarize(cfg, transformers_model(module.model), data, callbacks, trainer, seconds, choices or {})
+    summary = summarize(task, cfg, module.model, data, callbacks, trainer, seconds, choices or {}, unpruned)
     if control is not None and summary.get("pruning"):
         summary["pruning"]["control"] = control_report(control, data, summary["perplexity"]["val"])
     summary["checkpoint"] = (checkpoints[0].best_model_path or None) if cfg.get("checkpoint") else None
@@ -197,12 +192,21 @@ def train(cfg: DictConfig, output_dir: str | Path, choices: Mapping[str, Any] | 
         summary["pruning"]["saved"] = str(save_pruned(module.model, output_dir / "pruned_model"))
         data.tokenizer.save_pretrained(output_dir / "pruned_model")
     summary.update(save_outputs(cfg, module.model, data.tokenizer, output_dir, bool(summary["pruning"]), pruning))
+    refused = None
+    if formats:  # after every save: a refusal leaves the trained model and the summary, then fails the run
+        gguf_file = Path(cfg.model.name_or_path, cfg.model.gguf_file) if cfg.model.get("gguf_file") else None
+        try:
+            summary["exports"] = write_exports(formats, module.model, output_dir, data.tokenizer, gguf_file)
+        except ExportError as error:
+            summary["exports"], refused = {"refused": str(error)}, error
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
+    if refused is not None:
+        raise refused
     return summary
 
 
-def recover_unpruned(cfg: DictConfig, base: PreTrainedModel, data: Any) -> tuple[L.Trainer, Any]:
+def recover_unpruned(cfg: DictConfig, task: Task, base: PreTrainedModel, data: Any) -> tuple[L.Trainer, Any]:
     """The unpruned model (`base`, as built) recovered as the run recovered the pruned one: the same seed, batches,
     LoRA adapter, steps and methods, less those that remove heads (a `teacher: base` distils from `base` itself).
     The pruning presets turn it on (`control: true`), so that the summary gives the pruned model's perplexity
@@ -211,10 +215,9 @@ def recover_unpruned(cfg: DictConfig, base: PreTrainedModel, data: Any) -> tuple
     callbacks = [callback for callback in instantiate_callbacks(cfg).values() if not removes_heads([callback])]
     model = copy.deepcopy(base).train()
     if cfg.get("peft"):
-        options = {k: v for k, v in cfg.peft.items() if k != "merge"}
-        model = add_lora(model, **options, seed=cfg.seed, task_type="CAUSAL_LM")
+        model = task.add_lora(model, cfg)
     provide(callbacks, data, base)
-    module = instantiate(cfg.module, model=model)
+    module = task.module(cfg, model)
     trainer = instantiate(cfg.trainer, logger=False, callbacks=callbacks, enable_checkpointing=False)
     trainer.fit(module, datamodule=data)
     return trainer, module.model
@@ -319,36 +322,6 @@ def fit_causal_lm(
     trainer.fit(module, train_dataloaders=loader)
     model.eval()
     return {**record.values, "seconds": round(time.perf_counter() - started, 1)}
-
-
-def check_task(task: str, model: PreTrainedModel, cfg: DictConfig) -> None:
-    """Refuse a model that does not fit the data's task, naming both: a causal LM on classification data (it would
-    get a random score head), a classifier on causal-LM or chat data; and a decoder task whose module is not
-    `attnreg.app.modules.CausalLM`.
-
-    Example:
-        >>> from omegaconf import OmegaConf
-        >>> from attnreg.tiny import tiny_model
-        >>> cfg = OmegaConf.create({"module": {"_target_": "attnreg.app.modules.SequenceClassifier"}})
-        >>> check_task("classification", tiny_model("llama", head="causal_lm"), cfg)
-        Traceback (most recent call last):
-        ...
-        ValueError: model LlamaForCausalLM is a causal LM and the data is a classification task: it would be trained ...
-    """
-    causal_lm = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")) and decoder_family(model.config)
-    if task == "classification" and causal_lm:
-        raise ValueError(
-            f"model {type(model).__name__} is a causal LM and the data is a classification task: it would be trained "
-            "with a random classification head. Choose a decoder task (data=agreement_lm, ewt_lm, text_lm, hf_lm or "
-            "chat) or a classifier model config"
-        )
-    if task != "classification" and not causal_lm:
-        raise ValueError(
-            f"data is a {task} task but model {type(model).__name__} is not a causal LM: choose model=tiny_llama_lm, "
-            "model=decoder model.name_or_path=DIR or model=smollm2"
-        )
-    if task != "classification" and not cfg.module._target_.endswith("CausalLM"):
-        raise ValueError(f"data is a {task} task: module._target_ must be attnreg.app.modules.CausalLM")
 
 
 def save_outputs(

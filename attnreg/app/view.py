@@ -38,15 +38,15 @@ from typing import Any
 from attnreg.app.cli import checked
 
 with checked("python -m attnreg.app.view", exit=__name__ == "__main__"):  # without Lightning: the pip line
-    from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     from attnreg.analysis import HeadView, head_view
     from attnreg.app.analyze import _load_checkpoint, load_folder
     from attnreg.app.configs import register_resolvers
-    from attnreg.app.models import add_lora, load_tokenizer
+    from attnreg.app.models import load_tokenizer
+    from attnreg.app.tasks import Task, task_of
     from attnreg.hub import attach, detach
-    from attnreg.methods.pruning import restore_pruning
+    from attnreg.structure import restore_record
     from attnreg.unwrap import transformers_model
 
 
@@ -68,13 +68,14 @@ def view_run(run_dir: str | Path, sentences: int = 32, trust_checkpoint: bool = 
     tokenizer = (
         load_tokenizer(cfg.model.name_or_path, cfg.model.get("gguf_file")) if "name_or_path" in cfg.model else None
     )
-    data = instantiate(cfg.data, tokenizer=tokenizer, with_prior=False)
+    task = task_of(cfg)
+    data = task.data(cfg, tokenizer, with_prior=False)
     data.setup("fit")
     held_out = data.tree_sentences()
     if not held_out:
         raise ValueError(f"the data of {run_dir} ({cfg.data._target_}) has no held-out sentences with gold trees")
-    start = instantiate(cfg.model, tokenizer=data.tokenizer, num_labels=data.num_labels).eval()  # as the run began
-    trained = trained_model(run_dir, summary, cfg, start, data, trust_checkpoint)
+    start = task.model(cfg, data).eval()  # as the run began
+    trained = trained_model(run_dir, summary, cfg, start, task, trust_checkpoint)
     view = head_view(
         trained.eval(),
         data.tokenizer,
@@ -94,9 +95,12 @@ SAVED_MODELS = ("pruning", "merged_model", "model")
 `merged_model/` (LoRA merged in), `model/` (`save_model`)."""
 
 
-def trained_model(run_dir: Path, summary: dict, cfg: Any, start: Any, data: Any, trust_checkpoint: bool = False) -> Any:
+def trained_model(
+    run_dir: Path, summary: dict, cfg: Any, start: Any, task: Task, trust_checkpoint: bool = False
+) -> Any:
     """The model the run ended with, the one its summary evaluated: the folder it saved (`SAVED_MODELS`), else its
-    `last.ckpt` (written at every validation), else its best checkpoint, on a copy of `start`."""
+    `last.ckpt` (written at every validation), else its best checkpoint, on a copy of `start` (in the `task`'s LoRA
+    adapter where the run trained one)."""
     for key in SAVED_MODELS:
         saved = (summary.get(key) or {}).get("saved") if key == "pruning" else summary.get(key)
         if saved and Path(saved).is_dir():
@@ -110,12 +114,11 @@ def trained_model(run_dir: Path, summary: dict, cfg: Any, start: Any, data: Any,
         )
     trained = copy.deepcopy(start)
     if cfg.get("peft"):  # the LoRA adapter the run trained, on the base model, as `attnreg-train` wrapped it
-        task_type = "SEQ_CLS" if data.task == "classification" else "CAUSAL_LM"
-        trained = add_lora(trained, **cfg.peft, seed=cfg.seed, task_type=task_type)
+        trained = task.add_lora(trained, cfg)
     checkpoint = _load_checkpoint(path, trust_checkpoint)
     state = {key[len("model.") :]: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.")}
     attach(trained)  # gates and temperatures in the state dict are created on load
-    restore_pruning(transformers_model(trained), checkpoint)  # the transformers model, inside an adapter too
+    restore_record(transformers_model(trained), checkpoint)  # the transformers model, inside an adapter too
     trained.load_state_dict(state, strict=True)
     if cfg.get("peft"):  # viewed merged, as the run's merged_model/: gates folded into base and adapter, then merged
         detach(trained)

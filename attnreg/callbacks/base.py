@@ -3,11 +3,12 @@ LightningModule's `attnreg.methods.Runner` (`attnreg.mixin.runner_of`), which do
 
 `MethodCallback(method)` runs any `attnreg.methods.Method` (one of attnreg's, or your own); a subclass names
 its `method_class` and takes that class's arguments (`attnreg.SyntaxPriorKL(...)`); `callback.method` is the
-method, which holds the settings and state. In `setup` each callback adds its method to the runner, which binds
-it to the module's transformers model under a name no other holds (before `configure_optimizers`, so gates exist
-for it); the first attnreg callback of the trainer sends the runner Lightning's events
-(`attnreg.callbacks.events`). Each callback keeps its method's state in Lightning checkpoints. Terms go through
-`attnreg.AttnRegMixin`.
+method, which holds the settings and state. Each built-in method (`attnreg.methods.method_entries()`) has such a
+subclass of its name, its drop-in callback (`drop_in_callback`). In `setup` each callback adds its method to the
+runner, which binds it to the module's transformers model under a name no other holds (before
+`configure_optimizers`, so gates exist for it); the first attnreg callback of the trainer sends the runner
+Lightning's events (`attnreg.callbacks.events`). Each callback keeps its method's state in Lightning
+checkpoints. Terms go through `attnreg.AttnRegMixin`.
 
 Example:
     >>> from attnreg.methods import EntropyRegularizer
@@ -31,7 +32,7 @@ import lightning as L
 from attnreg import deprecations
 from attnreg.callbacks.events import LightningEvents
 from attnreg.compat import callback_state_key
-from attnreg.methods import Method, Runner
+from attnreg.methods import Method, Runner, entry_of
 from attnreg.mixin import require_mixin, runner_of
 from attnreg.structure import keep_base_in_adapter_saves
 from attnreg.unwrap import find_transformers_model
@@ -52,10 +53,13 @@ class MethodCallback(LightningEvents):
     method_class: type[Method] | None = None
     all_stages = False  # bound in every stage (validate, test), not only in fit
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, drop_in: bool = False, **kwargs: Any) -> None:
+        """`drop_in=True`: the class is its built-in method's drop-in callback (`drop_in_callback`)."""
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("method_class") is not None:
             cls.__signature__ = inspect.signature(cls.method_class)
+        if drop_in:
+            DROP_INS[cls.method_class] = cls
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if self.method_class is None:  # MethodCallback(method): any method object, yours included
@@ -164,6 +168,47 @@ class MethodCallback(LightningEvents):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.method.load_state_dict(state_dict)
+
+
+DROP_INS: dict[type[Method], type[MethodCallback]] = {}
+"""{built-in method class: its drop-in callback}, as `drop_in_callback` made or found them."""
+
+
+def drop_in_callback(method_class: type[Method]) -> type[MethodCallback]:
+    """The drop-in Lightning callback of a built-in method (`attnreg.<its name>`): the subclass written out in
+    `attnreg.callbacks` where it adds something of its own (`class HeadGating(MethodCallback, drop_in=True)`, with
+    `prune`), else a `MethodCallback` subclass of the method's name, made once, in `attnreg.callbacks`.
+
+    Example:
+        >>> from attnreg.methods import EntropyRegularizer
+        >>> Entropy = drop_in_callback(EntropyRegularizer)
+        >>> Entropy.__module__, Entropy.__qualname__, Entropy(mode="max").method.mode
+        ('attnreg.callbacks', 'EntropyRegularizer', 'max')
+        >>> Entropy is drop_in_callback(EntropyRegularizer), "mode" in inspect.signature(Entropy).parameters
+        (True, True)
+    """
+    if method_class not in DROP_INS:
+        entry = entry_of(method_class)
+        if entry is None or entry.method_class is not method_class:
+            raise TypeError(f"{method_class.__name__} is not a built-in method: run it with MethodCallback(method)")
+        summary = (inspect.getdoc(method_class) or "").split("\n\n")[0]
+        mixin = (
+            " The LightningModule needs `attnreg.AttnRegMixin` (its term)."
+            if method_class.term is not Method.term
+            else ""
+        )
+        doc = (
+            f"{summary}\n\nThe drop-in Lightning callback of `attnreg.methods.{entry.callback}`: it takes the method's "
+            f"arguments and runs it through the module's runner; `.method` is the method (docs: {entry.docs}).{mixin}"
+        )
+        namespace = {
+            "method_class": method_class,
+            "__module__": __package__,
+            "__qualname__": entry.callback,
+            "__doc__": doc,
+        }
+        type(entry.callback, (MethodCallback,), namespace, drop_in=True)
+    return DROP_INS[method_class]
 
 
 def renamed_callback(old: str) -> type[MethodCallback]:

@@ -1,4 +1,6 @@
-"""Distillation as a drop-in Lightning callback (a thin adapter of `attnreg.methods.Distillation`).
+"""Distillation as a drop-in Lightning callback of `attnreg.methods.Distillation`, with its arguments (the teacher
+first): it adds `weight * distillation_loss(model output, teacher output)` to the training loss. The LightningModule
+needs `attnreg.AttnRegMixin`.
 
 Example:
     >>> from attnreg.tiny import tiny_model
@@ -10,11 +12,6 @@ Example:
 from __future__ import annotations
 
 from attnreg import methods
-from attnreg.callbacks.base import MethodCallback
+from attnreg.callbacks.base import drop_in_callback
 
-
-class Distillation(MethodCallback):
-    """Adds `weight * distillation_loss(model output, teacher output)` to the training loss; takes the arguments
-    of `attnreg.methods.Distillation` (the teacher first). The LightningModule needs `attnreg.AttnRegMixin`."""
-
-    method_class = methods.Distillation
+Distillation = drop_in_callback(methods.Distillation)

@@ -42,7 +42,7 @@ from attnreg.methods.monitor import EntropyCollapseWarning
 __all__ = ["AttentionMonitor", "EntropyCollapseWarning"]
 
 
-class AttentionMonitor(MethodCallback):
+class AttentionMonitor(MethodCallback, drop_in=True):
     """Logs per-head attention entropy (and parent accuracy on a gold set) every N steps; flags collapse
     (`attnreg.methods.AttentionMonitor`).
 

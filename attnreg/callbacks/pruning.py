@@ -5,8 +5,9 @@
 to the loss through the mixin and removes heads when the method says, with the optimizers' state
 sliced, folding the remaining gates into the output projections at the last removal: the smaller model
 carries no gates and computes what the gated model computed with the removed gates at 0.
-`HeadImportance` scores heads after training (Michel et al. 2019) and can prune iteratively. The work
-is done by `attnreg.methods.pruning`.
+`HeadImportance` scores heads after training (Michel et al. 2019) and can prune iteratively; after fit:
+`.method.scores` and `.method.curve`. `ImportanceRemoval` removes the least important key/value groups (or heads)
+when training starts. The work is done by `attnreg.methods.pruning`.
 
 Example:
     >>> from attnreg.methods import HardConcreteGates, L1Gates, Removal
@@ -24,12 +25,12 @@ from __future__ import annotations
 import lightning as L
 
 from attnreg import methods
-from attnreg.callbacks.base import MethodCallback
+from attnreg.callbacks.base import MethodCallback, drop_in_callback
 
 __all__ = ["HeadGating", "HeadImportance", "ImportanceRemoval"]
 
 
-class HeadGating(MethodCallback):
+class HeadGating(MethodCallback, drop_in=True):
     """Trainable per-head gates with a sparsity penalty, then physical removal of the closed heads
     (`attnreg.methods.HeadGating(gates, removal, layers, name)`).
 
@@ -67,37 +68,5 @@ class HeadGating(MethodCallback):
         return self.method.remove_if_due(self.loop(trainer, pl_module), (keep, final))
 
 
-class HeadImportance(MethodCallback):
-    """Scores heads at the end of training (Michel et al. 2019) and, given `metric_fn`, prunes
-    iteratively (`attnreg.methods.HeadImportance`). After fit: `scores` and `curve`.
-
-    Example:
-        >>> import torch
-        >>> from attnreg.tiny import tiny_model
-        >>> batch = {"input_ids": torch.tensor([[2, 5, 6, 3], [2, 7, 8, 3]]), "labels": torch.tensor([1, 0])}
-        >>> importance = HeadImportance([batch])      # any iterable of batches: a DataLoader, say
-        >>> _ = importance.bind(None, tiny_model("bert", head="classification"))
-        >>> importance.method.at_end()                # what the end of fit does
-        >>> {layer: tuple(scores.shape) for layer, scores in importance.method.scores.items()}   # a score per head
-        {0: (4,), 1: (4,)}
-    """
-
-    method_class = methods.HeadImportance
-
-
-class ImportanceRemoval(MethodCallback):
-    """Removes the least important key/value groups (or heads), by head importance on the first `batches`
-    batches of `dataloader`, when training starts (`attnreg.methods.ImportanceRemoval`). After fit: `removed`.
-
-    Example:
-        >>> import torch
-        >>> from attnreg.methods.pruning import pruned_heads
-        >>> from attnreg.tiny import tiny_model
-        >>> model = tiny_model("llama", head="causal_lm")      # 2 layers x 4 query heads, 2 key/value groups
-        >>> ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
-        >>> removal = ImportanceRemoval([{"input_ids": ids, "labels": ids}], keep=3)   # 3 of the 4 groups stay
-        >>> removal.method_class.__name__, removal.method.keep
-        ('ImportanceRemoval', 3)
-    """
-
-    method_class = methods.ImportanceRemoval
+HeadImportance = drop_in_callback(methods.HeadImportance)
+ImportanceRemoval = drop_in_callback(methods.ImportanceRemoval)

@@ -15,7 +15,7 @@ FSDP it cannot.
 training forward (evaluation, generation, a subclass's extra no-grad forward) are never captured.
 
 Progress is `state.global_step / state.max_steps` (`attnreg.progress`). Checkpoints carry the methods'
-state in `attnreg_state.json` and the weights as training has them (gates unfolded, the pruning spec), read
+state in `attnreg_state.json` and the weights as training has them (gates unfolded, the structure record), read
 back by `train(resume_from_checkpoint=...)`. Batch keys the methods read (a syntax prior) are kept from the
 model, and kept through `remove_unused_columns=True`, as are the `sentence` and `label` fields a
 `SyntaxCollator` needs. Needs the `hf` extra (`accelerate`).
@@ -206,7 +206,7 @@ class AttnRegTrainerMixin(KeepColumns):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's `save_model`; a checkpoint keeps the weights as training has them (gates and
-        temperatures unfolded, so a resume continues exactly) and the pruning spec, so that `train(
+        temperatures unfolded, so a resume continues exactly) and the structure record, so that `train(
         resume_from_checkpoint=...)` and `attnreg.methods.pruning.load_pruned` read it. A model saved by the user
         (`trainer.save_model()`) has its gates folded and loads with `from_pretrained` where no head was removed."""
         model = self._attnreg_model()

@@ -3,25 +3,34 @@ framework inside, all answering one protocol of training events (`Method`, `Loop
 set of them what every adapter needs. `attnreg.callbacks` (Lightning) and `attnreg.integrations.hf` (the
 Hugging Face `Trainer`) are thin adapters over them.
 
+Every module and folder here is imported, and each built-in method it declares (`registry.register_method`) is
+exported under its class's name: a method added in a module or folder of its own needs no line here.
+
 Example:
     >>> from attnreg import methods
     >>> entropy = methods.EntropyRegularizer(mode="max", weight=0.01)
     >>> kl = methods.SyntaxPriorKL(heads={0: [3], 1: [4]})
+    >>> methods.entry_of(methods.HeadGating).name, methods.BUILT_IN["HeadGating"] is methods.HeadGating
+    ('head_gating', True)
 """
+
+import importlib
+import pkgutil
 
 from attnreg import deprecations
 from attnreg.methods.base import Loop, Method, free_name
-from attnreg.methods.distillation import Distillation
-from attnreg.methods.dropout import AttentionDropoutSchedule, hidden_dropout_modules
-from attnreg.methods.entropy import EntropyRegularizer
-from attnreg.methods.layerwise_lr import FreezeLayers, LayerwiseLR
-from attnreg.methods.loss_term import AttentionLoss, LossTerm
-from attnreg.methods.monitor import AttentionMonitor, EntropyCollapseWarning, MonitorCheck
+from attnreg.methods.dropout import hidden_dropout_modules
+from attnreg.methods.loss_term import LossTerm
+from attnreg.methods.monitor import EntropyCollapseWarning, MonitorCheck
 from attnreg.methods.pruning.gate_kinds import GateKind, HardConcreteGates, L1Gates, PruningRound, Removal
-from attnreg.methods.pruning.importance import HeadImportance, ImportanceRemoval
-from attnreg.methods.pruning.method import HeadGating
+from attnreg.methods.registry import MethodEntry, entry_of, method_entries, register_method
 from attnreg.methods.runner import Captured, Runner
-from attnreg.methods.syntax_prior import SyntaxPriorKL
+
+for _folder in pkgutil.iter_modules(__path__):  # each method registers itself on import
+    importlib.import_module(f"{__name__}.{_folder.name}")
+BUILT_IN = {entry.callback: entry.method_class for entry in method_entries()}
+"""{class name: class} of the built-in methods (`registry`), each exported here under its name."""
+globals().update(BUILT_IN)
 
 RENAMED = deprecations.renamed("name", "attnreg.methods.")
 """Old method names (`attnreg.deprecations`), still importable until the release that removes them, with a
@@ -51,29 +60,23 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AttentionDropoutSchedule",
-    "AttentionLoss",
-    "AttentionMonitor",
+    *BUILT_IN,
     "Captured",
-    "Distillation",
     "EntropyCollapseWarning",
-    "EntropyRegularizer",
-    "FreezeLayers",
-    "HardConcreteGates",
-    "HeadGating",
-    "HeadImportance",
-    "ImportanceRemoval",
     "GateKind",
+    "HardConcreteGates",
     "L1Gates",
-    "LayerwiseLR",
     "Loop",
     "LossTerm",
     "Method",
+    "MethodEntry",
     "MonitorCheck",
     "PruningRound",
     "Removal",
     "Runner",
-    "SyntaxPriorKL",
+    "entry_of",
     "free_name",
     "hidden_dropout_modules",
+    "method_entries",
+    "register_method",
 ]

@@ -33,6 +33,7 @@ from torch import nn
 from attnreg import deprecations
 from attnreg.heads import head_numbers, pruned_heads
 from attnreg.methods.base import Method
+from attnreg.methods.registry import register_method
 from attnreg.records import AttentionRecord, LayerInputs
 from attnreg.schedules import ScheduleLike, as_schedule
 
@@ -171,6 +172,7 @@ class LossTerm(Method):
         warnings.warn(f"{type(self).__name__} {self.name!r}: {what}", stacklevel=3)
 
 
+@register_method(docs="methods/your-own.md", config=False)
 class AttentionLoss(LossTerm):
     """A term of your own from a function: `weight * fn(record, batch)`, where `fn` receives what was captured of
     `layers` (None = all, () = none) as an `AttentionRecord` (their probabilities, or with `inputs=True` what they

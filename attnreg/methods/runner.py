@@ -51,18 +51,10 @@ from torch.distributed.tensor import DTensor
 from attnreg.hub import attach, detach, is_attached
 from attnreg.methods.base import Loop, Method
 from attnreg.records import AttentionRecord
-from attnreg.structure import model_structure, restore_saved_pruning, restore_structure, write_spec
+from attnreg.structure import StructureRecord, record_of, restore_record, write_record
 
-STRUCTURE_FILE = "attnreg_structure.json"
-"""The model's structure in a checkpoint folder (`Runner.save_structure`)."""
 STATE_FILE = "attnreg_state.json"
 """The methods' state in a checkpoint folder (`Runner.save_state`)."""
-MODEL = "attnreg_model"
-"""Structure entry: what tells the model apart from another (`model_identity`)."""
-_IDENTITY = (
-    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "vocab_size", "n_embd", "n_layer", "n_head", "dim", "n_layers", "n_heads",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -373,8 +365,9 @@ class Runner:
 
     # -- the model's structure: the checkpoint event before the weights ---------------------------------------
     def structure(self) -> dict[str, Any]:
-        """The model's structure (heads removed or silenced, the gates and their values), JSON-able: what a
-        checkpoint carries so that a resume rebuilds it before the weights load (`restore_structure`).
+        """The model's structure record (`attnreg.structure.record_of`: heads removed or silenced, the gates and their
+        values, the model's sizes) as checkpoint entries: what a checkpoint carries so that a resume rebuilds it
+        before the weights load (`restore_structure`).
 
         Example:
             >>> from attnreg import methods
@@ -384,38 +377,24 @@ class Runner:
             >>> runner.structure()["attnreg_gates"]
             {'1': [1.0, 1.0, 1.0, 1.0]}
         """
-        model = self._transformers_model()
-        return {**model_structure(model), MODEL: model_identity(model)}
+        return record_of(self._transformers_model()).to_checkpoint()
 
     def restore_structure(self, record: Mapping[str, Any]) -> None:
-        """Rebuild the structure a checkpoint recorded (`structure`) on the bound model, before its weights load;
-        a checkpoint of another model is refused, saying so."""
-        model = self._transformers_model()
-        saved, here = record.get(MODEL), model_identity(model)
-        if saved is not None and saved != here:
-            differ = {
-                key: (saved.get(key), here.get(key)) for key in {*saved, *here} if saved.get(key) != here.get(key)
-            }
-            raise ValueError(
-                "this checkpoint belongs to another model: (checkpoint, model here) differ in "
-                + ", ".join(f"{key} {pair[0]!r} vs {pair[1]!r}" for key, pair in sorted(differ.items()))
-            )
-        restore_structure(model, dict(record))
+        """Rebuild the structure a checkpoint recorded (`structure`) on the bound model, before its weights load
+        (`attnreg.structure.restore_record`); a checkpoint of another model, or one its weights contradict, is
+        refused, saying so, with the model unchanged."""
+        restore_record(self._transformers_model(), record)
 
     def save_structure(self, folder: str | Path, structure: Mapping[str, Any] | None = None) -> None:
-        """Write the structure (`structure()` unless given) into a checkpoint folder: `attnreg_structure.json`,
-        and the pruning spec that `attnreg.methods.pruning.load_pruned` reads."""
-        record = self.structure() if structure is None else structure
-        Path(folder, STRUCTURE_FILE).write_text(json.dumps(record) + "\n")
-        write_spec(self._transformers_model(), folder)
+        """Write the structure record (`structure()` unless given) beside the weights of a checkpoint folder
+        (`attnreg.structure.write_record`), which `load_structure` and `attnreg.methods.pruning.load_pruned` read."""
+        record = None if structure is None else StructureRecord.from_dict(structure)
+        write_record(self._transformers_model(), folder, record)
 
     def load_structure(self, folder: str | Path) -> None:
-        """Rebuild the structure a checkpoint folder recorded (`save_structure`; an older folder's pruning spec)."""
-        path = Path(folder, STRUCTURE_FILE)
-        if path.is_file():
-            self.restore_structure(json.loads(path.read_text()))
-        else:
-            restore_saved_pruning(self._transformers_model(), folder)
+        """Rebuild the structure a checkpoint folder recorded (`save_structure`, or an older attnreg's files) before
+        its weights load (`attnreg.structure.restore_record`)."""
+        restore_record(self._transformers_model(), folder)
 
     def _transformers_model(self) -> nn.Module:
         if self.model is None:
@@ -469,21 +448,6 @@ class UnevenMicroBatchesWarning(UserWarning):
         >>> issubclass(UnevenMicroBatchesWarning, UserWarning)
         True
     """
-
-
-def model_identity(model: nn.Module) -> dict[str, Any]:
-    """What tells a transformers model apart from another of a checkpoint: its class and the sizes of its config
-    (as built, whatever heads were removed since).
-
-    Example:
-        >>> from attnreg.tiny import tiny_model
-        >>> model_identity(tiny_model("gpt2"))
-        {'class': 'GPT2Model', 'hidden_size': 32, 'model_type': 'gpt2', 'n_embd': 32, 'n_head': 4, 'n_layer': 2,
-         'num_attention_heads': 4, 'num_hidden_layers': 2, 'vocab_size': 99}
-    """
-    config = model.config
-    sizes = {key: getattr(config, key) for key in _IDENTITY if isinstance(getattr(config, key, None), int | str)}
-    return {"class": type(model).__name__, **dict(sorted(sizes.items()))}
 
 
 def _check(methods: list[Method]) -> None:

@@ -2,12 +2,15 @@
 LoRA factors and optimizer state sliced along, and the one pair that writes this record beside any weights and
 restores it before they load.
 
-The record itself lives in the model's config (`attnreg.heads`: `pruned_heads`, `silenced_heads`, original head
-numbers); one module per concern here: `surgery` (`prune_heads`, `silence_heads`), `gates` (folding, the gates'
-parameters, `HardConcreteGate`), `optimizer_state`, `checkpoints` (the structure a training checkpoint carries,
-`model_structure`/`restore_structure`) and `saving` (`save_pruned`/`load_pruned`, and saves of a PEFT model whose
-base weights changed). The methods (`attnreg.methods.pruning`: gating, importance, removal policies), the runner,
-both adapters, `attnreg-analyze`, the head view and the app all go through these.
+The model keeps what was done (`attnreg.heads`: `pruned_heads`, `silenced_heads` in its config, original head
+numbers; the hub's gates; the gate values folded at a removal); `record` reads it into the one `StructureRecord`
+(`record_of`) and is the pair: `write_record` beside any weights, `restore_record` before they load (from a folder,
+a record, or a training checkpoint dict), refusing a record the weights contradict. One module per concern besides:
+`surgery` (`prune_heads`, `silence_heads`), `gates` (folding, the gates' parameters, `HardConcreteGate`),
+`optimizer_state`, `checkpoints` (the record's entries in a checkpoint dict) and `saving` (`save_pruned`/
+`load_pruned`, and saves of a PEFT model whose base weights changed). The methods (`attnreg.methods.pruning`:
+gating, importance, removal policies), the runner, both adapters, `attnreg-analyze`, the head view and the app all
+go through these.
 
 Example:
     >>> import tempfile
@@ -32,13 +35,7 @@ from attnreg.heads import (
     silenced_heads,
     to_original_numbers,
 )
-from attnreg.structure.checkpoints import (
-    FOLDED_GATES,
-    add_pruning_to_checkpoint,
-    model_structure,
-    restore_pruning,
-    restore_structure,
-)
+from attnreg.structure.checkpoints import add_pruning_to_checkpoint, model_structure, restore_pruning, restore_structure
 from attnreg.structure.gates import (
     HardConcreteGate,
     fold_gates,
@@ -48,6 +45,16 @@ from attnreg.structure.gates import (
     make_hard_concrete,
 )
 from attnreg.structure.optimizer_state import drop_from_optimizer, slice_optimizer_state
+from attnreg.structure.record import (
+    FOLDED_GATES,
+    RECORD_FILE,
+    StructureRecord,
+    model_identity,
+    read_record,
+    record_of,
+    restore_record,
+    write_record,
+)
 from attnreg.structure.saving import (
     SPEC_FILE,
     base_changed,
@@ -66,10 +73,12 @@ __all__ = [
     "SILENCE",
     "SILENCED_HEADS",
     "SPEC_FILE",
+    "RECORD_FILE",
     "HardConcreteGate",
     "HeadSpec",
     "PruneReport",
     "SlicedTensor",
+    "StructureRecord",
     "add_pruning_to_checkpoint",
     "base_changed",
     "check_removable",
@@ -83,10 +92,14 @@ __all__ = [
     "keep_base_in_adapter_saves",
     "load_pruned",
     "make_hard_concrete",
+    "model_identity",
     "model_structure",
     "prune_heads",
     "pruned_heads",
+    "read_record",
+    "record_of",
     "restore_pruning",
+    "restore_record",
     "restore_saved_pruning",
     "restore_structure",
     "save_adapters",
@@ -95,5 +108,6 @@ __all__ = [
     "silenced_heads",
     "slice_optimizer_state",
     "to_original_numbers",
+    "write_record",
     "write_spec",
 ]

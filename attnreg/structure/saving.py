@@ -1,4 +1,5 @@
-"""Saving and loading pruned models: `save_pretrained` plus a pruning spec re-applied before the weights load."""
+"""Saving and loading pruned models: `save_pretrained` plus the structure record (`attnreg.structure.record`),
+restored before the weights load."""
 
 from __future__ import annotations
 
@@ -12,22 +13,24 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
 from attnreg import weights
 from attnreg.families import Family, detect_family
-from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, PruneReport, pruned_heads, silenced_heads
+from attnreg.heads import PRUNED_HEADS, SILENCED_HEADS, pruned_heads, silenced_heads
 from attnreg.hub import attach, detach, is_attached
 from attnreg.records import GATE, TEMPERATURE
-from attnreg.structure.checkpoints import FOLDED_GATES, restore_pruning
-from attnreg.structure.gates import _hub_or_none, _transformers_model, folded_gates, make_hard_concrete
-from attnreg.structure.surgery import prune_heads, silence_heads
+from attnreg.structure.gates import _hub_or_none, _transformers_model, folded_gates
+from attnreg.structure.record import RECORD_FILE, _heads, read_record, restore_record, write_record
 
-SPEC_FILE = "attnreg_pruning.json"
+SPEC_FILE = RECORD_FILE
+"""Its name in 0.1.0 and 0.2.0 (the pruning spec, now the structure record)."""
+write_spec = write_record
+"""Its name in 0.1.0 and 0.2.0."""
+restore_saved_pruning = restore_record
+"""Its name in 0.2.0 (a folder's record, restored on a model)."""
 _SAVE_PARAMETERS = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
-_SPEC_FORMAT = 1
 LOAD_WITH = "attnreg_pruned_heads__load_this_folder_with__attnreg_methods_pruning_load_pruned"
 """A one-number tensor `save_pruned` adds to the weights of a model with removed heads: transformers'
 `from_pretrained` cannot load them (the config keeps the original head counts) and lists this key at the top of
@@ -39,11 +42,12 @@ def save_pruned(
     directory: str | Path,
     tokenizer: transformers.PreTrainedTokenizerBase | None = None,
 ) -> Path:
-    """Save a (pruned) model: safetensors weights and config via `save_pretrained`, plus `attnreg_pruning.json`,
-    and `tokenizer` beside them when given (tools such as `attnreg-analyze` need it).
+    """Save a (pruned) model: safetensors weights and config via `save_pretrained`, plus its structure record
+    (`write_record`: `attnreg_pruning.json`), and `tokenizer` beside them when given (tools such as `attnreg-analyze`
+    need it).
 
     Hub gates and temperatures are saved unfolded, as training has them (a training checkpoint resumes from
-    them exactly); a hard-concrete gate's settings go in the spec, and `load_pruned` rebuilds it.
+    them exactly); the record keeps each gate (a hard-concrete one with its settings), and `load_pruned` rebuilds it.
 
     Example:
         >>> import tempfile
@@ -72,7 +76,7 @@ def save_pruned(
         save_adapters(model, directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    write_spec(model, directory)
+    write_record(model, directory)
     return directory
 
 
@@ -189,48 +193,11 @@ def _save_adapter_and_base(model: nn.Module, save_directory: str | Path, *args: 
         config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
-def write_spec(model: transformers.PreTrainedModel, directory: str | Path) -> Path:
-    """Write `attnreg_pruning.json` for the weights saved in `directory` (what `save_pruned` adds to
-    `save_pretrained`): the pruned and silenced heads, the heads per layer, and each hard-concrete gate's
-    settings. The Hugging Face adapter writes it into every checkpoint.
-
-    Example:
-        >>> import tempfile
-        >>> from attnreg.methods.pruning import make_hard_concrete
-        >>> from attnreg.tiny import tiny_model
-        >>> model = tiny_model("bert")
-        >>> _ = make_hard_concrete(attach(model), 1, temperature=0.5)
-        >>> spec = json.loads(write_spec(model, tempfile.mkdtemp()).read_text())
-        >>> spec["heads"], spec["hard_concrete"]
-        ([[4, 4], [4, 4]], {'1': {'temperature': 0.5, 'stretch': [-0.1, 1.1]}})
-    """
-    family = detect_family(model)
-    hub = _hub_or_none(model)
-    modules = {} if hub is None else {layer: g for layer, g in hub.gates.items() if isinstance(g, nn.Module)}
-    spec = {
-        "format": _SPEC_FORMAT,
-        "class": type(model).__name__,
-        "family": family.name,
-        "pruned_heads": {str(layer): list(heads) for layer, heads in pruned_heads(model).items()},
-        "silenced_heads": {str(layer): list(heads) for layer, heads in silenced_heads(model).items()},
-        "heads": [
-            list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))
-        ],
-        "hard_concrete": {
-            str(layer): {"temperature": gate.temperature, "stretch": list(gate.stretch)}
-            for layer, gate in modules.items()
-        },
-    }
-    path = Path(directory) / SPEC_FILE
-    path.write_text(json.dumps(spec, indent=2) + "\n")
-    return path
-
-
 def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
-    """Load what `save_pruned` wrote: rebuild the model from its config, re-apply the pruning spec, then
-    load the weights strictly. Returns the same class, in eval mode (as `from_pretrained` does).
-
-    Raises `ValueError` naming the tensor and layer when the spec disagrees with the weights.
+    """Load what `save_pruned` wrote (or a plain `save_pretrained` of a pruned model, or a folder an older attnreg
+    wrote): rebuild the model from its config, restore its structure record (`restore_record`, which refuses a
+    record the weights contradict, naming the layer and tensor), then load the weights strictly. Returns the same
+    class, in eval mode (as `from_pretrained` does).
 
     Example:
         >>> import tempfile
@@ -246,84 +213,36 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
         True
     """
     directory = Path(directory)
-    spec_path = directory / SPEC_FILE
-    spec = json.loads(spec_path.read_text()) if spec_path.is_file() else _spec_from_config(directory)
-    if spec.get("format") != _SPEC_FORMAT:
-        raise ValueError(f"{spec_path}: unknown format {spec.get('format')!r} (this attnreg reads {_SPEC_FORMAT})")
-    model_class = getattr(transformers, spec["class"], None)
+    record = read_record(directory)
+    if record is None or record.model_class is None:
+        raise FileNotFoundError(
+            f"{directory / RECORD_FILE} is missing, and {directory / 'config.json'} records no heads removed or "
+            f"silenced: was {directory} written by attnreg.methods.pruning.save_pruned (or save_pretrained of a "
+            "pruned model)?"
+        )
+    model_class = getattr(transformers, record.model_class, None)
     if model_class is None:
-        raise ValueError(f"{spec_path}: class {spec['class']!r} is not a transformers class")
+        raise ValueError(f"{directory / RECORD_FILE}: class {record.model_class!r} is not a transformers class")
     config = transformers.AutoConfig.from_pretrained(directory)
-    for name, key in ((PRUNED_HEADS, "pruned_heads"), (SILENCED_HEADS, "silenced_heads")):
-        recorded = getattr(config, name, None) or {}
-        if {k: list(v) for k, v in recorded.items()} != spec.get(key, {}):
+    for name, key, recorded in (
+        (PRUNED_HEADS, "pruned heads", record.pruned),
+        (SILENCED_HEADS, "silenced heads", record.silenced),
+    ):
+        if _heads(getattr(config, name, None)) != recorded:
             raise ValueError(
-                f"{directory}: config.json records {key.replace('_', ' ')} {recorded} but {SPEC_FILE} says "
-                f"{spec.get(key, {})}"
+                f"{directory}: config.json records {key} {getattr(config, name, None) or {}} but {RECORD_FILE} says "
+                f"{ {str(layer): list(heads) for layer, heads in recorded.items()} }"
             )
         setattr(config, name, {})
     model = model_class(config)
     family = detect_family(model)
-    prune_heads(model, {int(layer): heads for layer, heads in spec["pruned_heads"].items()})
-    silence_heads(model, {int(layer): heads for layer, heads in spec.get("silenced_heads", {}).items()})
-    layout = [list(family.head_counts(family.attention_module(model, i))) for i in range(len(family.blocks(model)))]
-    if spec["heads"] is not None and layout != spec["heads"]:
-        raise ValueError(
-            f"{spec_path}: re-applying the spec gives heads {layout} per layer, the spec says {spec['heads']}"
-        )
+    _weight_files(directory)
+    restore_record(model, directory)
     weights = _read_weights(directory)
-    if any(key.endswith((f".{GATE}", f".{TEMPERATURE}")) for key in weights) or spec.get("hard_concrete"):
-        hub = attach(model)
-        for layer, settings in spec.get("hard_concrete", {}).items():
-            make_hard_concrete(hub, int(layer), temperature=settings["temperature"], stretch=settings["stretch"])
+    if any(key.endswith((f".{GATE}", f".{TEMPERATURE}")) for key in weights):
+        attach(model)  # the hub makes the gates and temperatures the weights hold as they load
     _load_checked(model, family, weights, directory)
     return model.eval()
-
-
-def _spec_from_config(directory: Path) -> dict[str, Any]:
-    """The spec of a folder that a plain `save_pretrained` wrote from a pruned or silenced model: its config.json
-    holds the record (`attnreg_pruned_heads`, `attnreg_silenced_heads`) and the class; no hard-concrete gate."""
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    if not (config.get(PRUNED_HEADS) or config.get(SILENCED_HEADS)) or not config.get("architectures"):
-        raise FileNotFoundError(
-            f"{directory / SPEC_FILE} is missing, and {config_path} records no heads removed or silenced: was "
-            f"{directory} written by attnreg.methods.pruning.save_pruned (or save_pretrained of a pruned model)?"
-        )
-    return {
-        "format": _SPEC_FORMAT,
-        "class": config["architectures"][0],
-        "pruned_heads": config.get(PRUNED_HEADS) or {},
-        "silenced_heads": config.get(SILENCED_HEADS) or {},
-        "heads": None,  # nothing to check the re-applied record against but the weights themselves
-    }
-
-
-def restore_saved_pruning(model: nn.Module, directory: str | Path) -> PruneReport | None:
-    """Re-apply to `model` (built as the run began) the pruning of a folder `save_pruned` or the Hugging Face
-    adapter's checkpoints wrote, so that its weights load: removed and silenced heads, and the gates folded
-    at the removal taken off. A no-op for a folder without `attnreg_pruning.json`.
-
-    Example:
-        >>> import tempfile
-        >>> from attnreg.tiny import tiny_model
-        >>> pruned = tiny_model("bert"); _ = prune_heads(pruned, {0: [1, 2]})
-        >>> folder = save_pruned(pruned, tempfile.mkdtemp())
-        >>> restore_saved_pruning(tiny_model("bert"), folder).heads        # the saved weights fit now
-        {0: (2, 2), 1: (4, 4)}
-    """
-    directory = Path(directory)
-    if not (directory / SPEC_FILE).is_file():
-        return None
-    spec = json.loads((directory / SPEC_FILE).read_text())
-    hub = _hub_or_none(model)
-    record = {
-        PRUNED_HEADS: spec["pruned_heads"],
-        SILENCED_HEADS: spec.get("silenced_heads", {}),
-        FOLDED_GATES: [] if hub is None else list(hub.gates),  # those absent from the weights go
-        "state_dict": dict.fromkeys(_weight_names(directory)),
-    }
-    return restore_pruning(model, record)
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -337,14 +256,6 @@ def _weight_files(directory: Path) -> list[Path]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing (save_pruned writes safetensors weights)")
     return paths
-
-
-def _weight_names(directory: Path) -> list[str]:
-    names = []
-    for path in _weight_files(directory):
-        with safe_open(path, framework="pt") as weights:
-            names += [name for name in weights.keys() if name != LOAD_WITH]
-    return names
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -17,11 +17,13 @@ from torch import nn
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.distillation.losses import check_distillation, distillation_loss
 from attnreg.methods.loss_term import check_weight
+from attnreg.methods.registry import register_method
 
 BASE = "base"
 """The teacher's value that stands for the run's base model (given by an app before binding)."""
 
 
+@register_method(docs="methods/pruning.md")
 class Distillation(Method):
     """Knowledge distillation from `teacher` (a model with the same outputs, e.g. the unpruned model): adds
     `weight * distillation_loss(model output, teacher output)` to every training micro-batch's loss.

@@ -29,6 +29,7 @@ from torch import nn
 
 from attnreg.families import Family
 from attnreg.methods.base import Loop, Method
+from attnreg.methods.registry import register_method
 from attnreg.schedules import Constant, ScheduleLike, as_schedule, schedule_values
 
 
@@ -61,6 +62,7 @@ def hidden_dropout_modules(model: nn.Module, family: Family, layers: Iterable[in
     ]
 
 
+@register_method(docs="methods/dropout.md")
 class AttentionDropoutSchedule(Method):
     """Attention dropout at `schedule(progress)` on `layers` (None = all), set before every step.
 

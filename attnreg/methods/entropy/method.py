@@ -14,10 +14,12 @@ import torch
 from attnreg import blockwise
 from attnreg.losses import EntropyMode, admissible_keys, attention_entropy, entropy_penalty
 from attnreg.methods.loss_term import Heads, LossTerm
+from attnreg.methods.registry import register_method
 from attnreg.records import AttentionRecord
 from attnreg.schedules import ScheduleLike
 
 
+@register_method(docs="methods/entropy.md")
 class EntropyRegularizer(LossTerm):
     """Entropy regularization of attention heads.
 

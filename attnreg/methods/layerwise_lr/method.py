@@ -37,9 +37,11 @@ from attnreg.methods.layerwise_lr.groups import (
     parameters_by_layer,
     resolve_layer_groups,
 )
+from attnreg.methods.registry import register_method
 from attnreg.schedules import ScheduleLike, as_schedule
 
 
+@register_method(docs="methods/layerwise-lr.md")
 class LayerwiseLR(Method):
     """Trains with `layerwise_param_groups(model, lr, decay, multipliers, freeze, weight_decay, no_decay)`.
 
@@ -127,6 +129,7 @@ def optimizer_factory(optimizer: str | Callable[..., Optimizer]) -> Callable[...
     return optimizer
 
 
+@register_method(docs="methods/layerwise-lr.md", config=False)
 class FreezeLayers(Method):
     """Freezes layer groups (`"embeddings"`, `"layer0"`, ... or layer indices) for the first `epochs` epochs.
 

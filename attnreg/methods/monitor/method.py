@@ -42,6 +42,7 @@ from attnreg.analysis.runner import MODEL_INPUTS, parent_accuracy
 from attnreg.heads import head_numbers, pruned_heads
 from attnreg.losses import attention_entropy
 from attnreg.methods.base import Loop, Method
+from attnreg.methods.registry import register_method
 from attnreg.syntax.trees import Sentence
 
 
@@ -86,6 +87,7 @@ class MonitorCheck:
     first_token: torch.Tensor | None = None
 
 
+@register_method(docs="methods/monitor.md")
 class AttentionMonitor(Method):
     """Per-head attention entropy, attention on the first token (and parent accuracy on a gold set) every N
     steps; flags collapse.

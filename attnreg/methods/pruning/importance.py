@@ -20,6 +20,7 @@ from attnreg.heads import HeadSpec, PruneReport, head_numbers, to_original_numbe
 from attnreg.hub import attach, detach
 from attnreg.methods.base import Loop, Method
 from attnreg.methods.pruning.method import renew_parameters, sharded
+from attnreg.methods.registry import register_method
 from attnreg.structure.gates import _hub_or_none
 from attnreg.structure.surgery import check_removable, prune_heads
 
@@ -117,23 +118,40 @@ def _evaluation_gates(model: nn.Module, masked: HeadSpec) -> Iterator[dict[int, 
 
 
 def select_heads(
-    scores: Mapping[int, torch.Tensor], threshold: float | None = None, keep: int | None = None
+    scores: Mapping[int, torch.Tensor], threshold: float | None = None, keep: int | None = None, uniform: bool = False
 ) -> dict[int, list[int]]:
     """Heads to remove, as current positions per layer: those scoring below `threshold`, or all but
     the `keep` best overall (ties broken by layer then head order). Exactly one of the two is given.
+    `uniform` keeps the same number in every layer, each layer's best: `keep` is split evenly across the layers,
+    so that every layer ends with the same head count (what a plain transformers checkpoint needs,
+    `attnreg.export.export_transformers`).
 
     Example:
         >>> scores = {0: torch.tensor([0.9, 0.1, 0.5]), 1: torch.tensor([0.2, 0.8, 0.05])}
         >>> select_heads(scores, keep=3), select_heads(scores, threshold=0.3)
         ({0: [1], 1: [0, 2]}, {0: [1], 1: [0, 2]})
+        >>> select_heads(scores, keep=4, uniform=True)              # 2 in each layer, whatever the others score
+        {0: [1], 1: [2]}
     """
     if (threshold is None) == (keep is None):
         raise ValueError("give exactly one of threshold= and keep=")
     if threshold is not None:
+        if uniform:
+            raise ValueError("uniform=True needs keep= (the heads kept, split evenly across layers), not threshold=")
         return {layer: [i for i, s in enumerate(score.tolist()) if s < threshold] for layer, score in scores.items()}
     flat = [(-float(s), layer, i) for layer, score in scores.items() for i, s in enumerate(score.tolist())]
     if not 0 <= keep <= len(flat):
         raise ValueError(f"keep={keep} heads is more than the {len(flat)} heads there are (or negative)")
+    if uniform:
+        fewest = min((score.numel() for score in scores.values()), default=0)
+        if scores and (keep % len(scores) or keep // len(scores) > fewest):
+            raise ValueError(
+                f"uniform=True: keep={keep} is not the same number in each of the {len(scores)} layers (a multiple "
+                f"of {len(scores)}, at most {fewest} per layer)"
+            )
+        per_layer = keep // len(scores) if scores else 0
+        ranked = {layer: score.argsort(descending=True, stable=True).tolist() for layer, score in scores.items()}
+        return {layer: sorted(order[per_layer:]) for layer, order in ranked.items()}
     chosen: dict[int, list[int]] = {layer: [] for layer in scores}
     for _, layer, head in sorted(flat)[keep:]:
         chosen[layer].append(head)
@@ -219,6 +237,7 @@ def _metric_with_masks(model: nn.Module, metric_fn: Callable[[nn.Module], float]
         return metric_fn(model)
 
 
+@register_method(docs="methods/pruning.md", config=False)
 class HeadImportance(Method):
     """Scores heads at the end of training and, given `metric_fn`, prunes iteratively until the metric
     falls below `stop_ratio` of its start (`attnreg.iterative_pruning`).
@@ -278,15 +297,20 @@ def select_groups(
     group_size: Mapping[int, int],
     threshold: float | None = None,
     keep: int | None = None,
+    uniform: bool = False,
 ) -> dict[int, list[int]]:
     """Heads to remove by whole key/value groups, as current positions per layer: a group (`group_size[layer]`
     consecutive query heads sharing a key/value head) scores the mean of its heads (+inf if any head is +inf, a
-    protected head); then the groups below `threshold` go, or all but the `keep` best groups overall.
+    protected head); then the groups below `threshold` go, or all but the `keep` best groups overall, or with
+    `uniform` the same number of groups in every layer, each layer's best (`select_heads`).
 
     Example:
         >>> scores = {0: torch.tensor([0.9, 0.7, 0.1, 0.2]), 1: torch.tensor([0.3, 0.1, 0.8, float("inf")])}
         >>> select_groups(scores, {0: 2, 1: 2}, keep=2), select_groups(scores, {0: 2, 1: 2}, threshold=0.5)
         ({0: [2, 3], 1: [0, 1]}, {0: [2, 3], 1: [0, 1]})
+        >>> select_groups({0: torch.tensor([0.9, 0.7, 0.6, 0.5]), 1: torch.tensor([0.3, 0.1, 0.2, 0.4])},
+        ...               {0: 2, 1: 2}, keep=2, uniform=True)        # a group from each layer, not both from layer 1
+        {0: [2, 3], 1: [0, 1]}
     """
     grouped = {}
     for layer, score in scores.items():
@@ -297,7 +321,7 @@ def select_groups(
         mean = members.mean(dim=1)
         grouped[layer] = torch.where(members.isposinf().any(dim=1), torch.inf, mean)
     try:
-        chosen = select_heads(grouped, threshold=threshold, keep=keep)
+        chosen = select_heads(grouped, threshold=threshold, keep=keep, uniform=uniform)
     except ValueError as error:
         raise ValueError(str(error).replace("heads", "key/value groups")) from None
     return {
@@ -306,12 +330,15 @@ def select_groups(
     }
 
 
+@register_method(docs="methods/pruning.md", removes_heads=True)
 class ImportanceRemoval(Method):
     """Removes the heads that matter least, by head importance (Michel et al. 2019) on the first `batches`
     batches of `dataloader`, once, when training starts: whole key/value groups with `groups` (a group scores
     its heads' mean, `select_groups`), else single heads (`select_heads`; a grouped-query head whose group stays
     is silenced). `keep` (groups, or heads, kept) says how many go or, without it, `fraction` (of them removed,
-    rounded); `keep_per_layer` groups (heads) stay in every layer whatever their scores.
+    rounded); `keep_per_layer` groups (heads) stay in every layer whatever their scores. `uniform` keeps the same
+    number in every layer, each layer's least important going (`select_groups`): every layer ends with the same
+    counts, which a plain transformers checkpoint needs (`attnreg.export.export_transformers`).
 
     The choice is made on the model as training starts (a LoRA adapter not trained yet adds nothing), the
     optimizers' state is sliced along (`prune_heads`), and LoRA factors go with the heads. What the model
@@ -343,6 +370,7 @@ class ImportanceRemoval(Method):
         batches: int | None = 8,
         groups: bool = True,
         keep_per_layer: int = 0,
+        uniform: bool = False,
         loss_fn: LossFunction | None = None,
         name: str | None = None,
     ) -> None:
@@ -356,7 +384,7 @@ class ImportanceRemoval(Method):
             raise ValueError(f"ImportanceRemoval: fraction (of the groups removed) must be in [0, 1), got {fraction!r}")
         self.dataloader, self.loss_fn = dataloader, loss_fn
         self.keep, self.fraction, self.batches = keep, fraction, batches
-        self.groups, self.keep_per_layer = groups, keep_per_layer
+        self.groups, self.keep_per_layer, self.uniform = groups, keep_per_layer, uniform
         self.group_sizes: dict[int, int] = {}
         self.scores: dict[int, torch.Tensor] = {}
         self.removed: dict[int, list[int]] = {}
@@ -390,6 +418,12 @@ class ImportanceRemoval(Method):
                 f"ImportanceRemoval: keep_per_layer={self.keep_per_layer} {self.units} in each of {len(counts)} "
                 f"layers, more than a layer has or than the {self.kept()} kept in all: {where}"
             )
+        if self.uniform and self.kept() % len(counts):
+            raise ValueError(
+                f"ImportanceRemoval: uniform=True keeps the same number of {self.units} in every layer, but "
+                f"{self.kept()} kept is not a multiple of the {len(counts)} layers: {where}; give keep= a multiple, "
+                f"e.g. keep={len(counts) * max(1, self.kept() // len(counts))}"
+            )
         try:  # what the removal will need, now rather than when training starts
             check_removable(model, layers)
         except TypeError as error:
@@ -416,7 +450,7 @@ class ImportanceRemoval(Method):
             best = score.view(-1, size).mean(dim=1).argsort(descending=True, stable=True)[: self.keep_per_layer]
             for group in best.tolist():
                 score[group * size : (group + 1) * size] = math.inf
-        return select_groups(scores, self.group_sizes, keep=self.kept())
+        return select_groups(scores, self.group_sizes, keep=self.kept(), uniform=self.uniform)
 
     def on_fit_start(self, loop: Loop) -> None:
         if self.done:  # resumed: the checkpoint's model is the smaller one

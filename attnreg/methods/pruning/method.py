@@ -55,6 +55,7 @@ from attnreg.methods.pruning.gate_kinds import (
     Removal,
     whole,
 )
+from attnreg.methods.registry import register_method
 from attnreg.records import AttentionRecord
 from attnreg.schedules import as_schedule
 
@@ -62,6 +63,7 @@ RESCUE_FOLDER = "attnreg-unpruned"  # in the run's output folder: a model whose 
 GATHERED_FOLDER = "attnreg-pruned"  # in the run's output folder: a sharded model gathered whole, its heads removed
 
 
+@register_method(docs="methods/pruning.md", removes_heads=True, gates_heads=True)
 class HeadGating(Method):
     """Trainable per-head gates on `layers` (None = all) with a sparsity penalty, then removal.
 

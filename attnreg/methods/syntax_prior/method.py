@@ -37,12 +37,14 @@ import torch
 from attnreg import blockwise
 from attnreg.losses import HeadReduction, causal_prior, check_prior, prior_kl, prior_rows, reachable_prior
 from attnreg.methods.loss_term import Heads, LossTerm
+from attnreg.methods.registry import register_method
 from attnreg.records import AttentionRecord
 from attnreg.schedules import ScheduleLike
 from attnreg.syntax.data import PRIOR_KEY
 from attnreg.syntax.priors import SyntaxPrior
 
 
+@register_method(docs="methods/syntax-prior.md")
 class SyntaxPriorKL(LossTerm):
     """KL(prior ‖ attention) for chosen heads, with the prior read from the batch.
 
