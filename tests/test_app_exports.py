@@ -15,7 +15,6 @@ from attnreg.app.analyze import load_folder
 from attnreg.app.configs import CONFIG_DIR, register_resolvers
 from attnreg.app.train import train
 from attnreg.export import ExportError, head_layout
-from attnreg.methods.pruning import load_pruned
 
 pytest.importorskip("gguf", reason='the export extra: pip install ".[export]"')
 
@@ -65,7 +64,7 @@ def test_an_export_the_heads_kept_rule_out_fails_the_run_after_saving_it(tmp_pat
     saves its model and summary, names the refusal in both, writes nothing under export/, and fails."""
     with pytest.raises(ExportError, match=r"export: the trained model is saved in .*transformers: .*different numbers"):
         train(composed("export=transformers"), tmp_path)
-    assert load_pruned(tmp_path / "pruned_model") is not None
+    assert load_folder(tmp_path / "pruned_model") is not None
     assert "refused" in json.loads((tmp_path / "summary.json").read_text())["exports"]
     assert not (tmp_path / "export" / "transformers").exists()
 

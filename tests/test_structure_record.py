@@ -6,6 +6,7 @@ The folders under `tests/data/previous_release/` were written by 0.1.0's and 0.2
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,26 @@ def test_a_gpt2_record_names_its_fused_projection(tmp_path):
     ):
         restore_record(fresh, record)
     assert pruned_heads(fresh) == {}
+
+
+def test_load_pruned_warns_where_a_lora_adapter_lies_beside_the_model(tmp_path):
+    """A run's `pruned_model/` of a LoRA run holds the adapter beside the pruned base: `load_pruned` returns the base
+    alone and says so, naming the call that gives the trained model; `load_folder` merges it, without the warning."""
+    from attnreg.app.models import add_lora
+    from attnreg.structure.saving import AdapterLeftOutWarning
+
+    model = add_lora(tiny_model("llama", head="causal_lm"), r=2, seed=0, task_type="CAUSAL_LM")
+    prune_heads(model, {0: [0, 1]})
+    for layer in model.modules():  # a trained adapter: B is zero at start, which would make it add nothing
+        if hasattr(layer, "lora_B"):
+            torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    folder = save_pruned(model, tmp_path / "pruned_model")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with pytest.warns(AdapterLeftOutWarning, match=r"holds a LoRA adapter .* PeftModel.from_pretrained\(load_pruned"):
+        base = load_pruned(folder)
+    with torch.no_grad():
+        trained = model.eval()(input_ids=ids).logits
+        assert not torch.allclose(base(ids).logits, trained, atol=1e-3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", AdapterLeftOutWarning)
+            assert torch.allclose(load_folder(folder)(ids).logits, trained, atol=1e-5)

@@ -68,6 +68,7 @@ import pathlib
 import pickle
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ from attnreg.app.inputs import check_model_folder, check_vocabulary
 from attnreg.app.models import clear_quantizer
 from attnreg.hub import attach
 from attnreg.structure import load_pruned, read_record, restore_record
+from attnreg.structure.saving import AdapterLeftOutWarning
 from attnreg.syntax.trees import ConlluError, Sentence, read_conllu
 
 SUMMARY_STATISTICS = tuple(name for name in ATTENTION_STATISTICS if not name.startswith("argmax"))  # the report table
@@ -236,7 +238,9 @@ def load_folder(path: Path, gguf_file: str | None = None) -> PreTrainedModel:
             return _adapter_on_its_base(path)
         _check_gguf(path, None)
         raise InputError(f"{path} is a directory without config.json: not a saved transformers model")
-    model = load_pruned(path) if read_record(path) is not None else AutoModel.from_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AdapterLeftOutWarning)  # merged in just below
+        model = load_pruned(path) if read_record(path) is not None else AutoModel.from_pretrained(path)
     if adapter:
         import peft
 

@@ -8,6 +8,7 @@ import inspect
 import json
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,12 @@ def _save_adapter_and_base(model: nn.Module, save_directory: str | Path, *args: 
         config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
+class AdapterLeftOutWarning(UserWarning):
+    """`load_pruned` read a folder that also holds a LoRA adapter (`adapter_config.json`), and returned the model
+    without it: not the model the run trained. `PeftModel.from_pretrained(load_pruned(folder), folder)` (merged:
+    `.merge_and_unload()`, as `attnreg.app.analyze.load_folder` does) gives that one."""
+
+
 def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
     """Load what `save_pruned` wrote (or a plain `save_pretrained` of a pruned model, or a folder an older attnreg
     wrote): rebuild the model from its config, restore its structure record (`restore_record`, which refuses a
@@ -213,6 +220,14 @@ def load_pruned(directory: str | Path) -> transformers.PreTrainedModel:
         True
     """
     directory = Path(directory)
+    if (directory / "adapter_config.json").is_file():
+        warnings.warn(
+            f"{directory} holds a LoRA adapter beside the pruned model, and load_pruned returns the model without it; "
+            f"the trained model is PeftModel.from_pretrained(load_pruned({str(directory)!r}), {str(directory)!r}) "
+            "(attnreg.app.analyze.load_folder merges it)",
+            AdapterLeftOutWarning,
+            stacklevel=2,
+        )
     record = read_record(directory)
     if record is None or record.model_class is None:
         raise FileNotFoundError(
