@@ -39,11 +39,15 @@ def export_formats(cfg: DictConfig) -> list[str]:
         Traceback (most recent call last):
         ...
         ValueError: export=onnxx: unknown format 'onnxx'; the formats are ['transformers', 'gguf', 'onnx']
+        >>> export_formats(OmegaConf.create({"export": 5}))
+        Traceback (most recent call last):
+        ...
+        ValueError: export=5: give a format or a list of them, of ['transformers', 'gguf', 'onnx']
     """
     value = cfg.get("export")
-    formats = [] if value is None else [str(value)] if isinstance(value, str) else list(value)
     if not isinstance(value, str | ListConfig | list | type(None)):
         raise ValueError(f"export={value!r}: give a format or a list of them, of {list(FORMATS)}")
+    formats = [] if value is None else [value] if isinstance(value, str) else [str(name) for name in value]
     for name in formats:
         if name not in FORMATS:
             raise ValueError(f"export={value}: unknown format {name!r}; the formats are {list(FORMATS)}")
